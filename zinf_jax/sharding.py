@@ -1,0 +1,259 @@
+"""Device mesh and the ZeRO-3 partition rule.
+
+Every parameter is split along the ``fsdp`` mesh axis:
+
+* ``sharded``: along the largest dimension whose size divides by the axis size;
+* ``flat``: no dimension divides, so the parameter is flattened and zero-padded
+  to a multiple of the axis size (restored exactly by :func:`from_stored`);
+* ``persistent``: at or under the persistence threshold (in elements), it stays
+  whole on every device, like DeepSpeed's persistent parameters.
+
+The decision per parameter is plain data (:class:`ParamLayout`), printable as a
+table with :func:`format_table`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Iterable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+__all__ = [
+    "FSDP",
+    "ParamLayout",
+    "make_mesh",
+    "batch_spec",
+    "plan_partition",
+    "to_stored",
+    "from_stored",
+    "shard_index_of",
+    "local_shard_devices",
+    "assemble",
+    "split_local",
+    "format_table",
+]
+
+FSDP = "fsdp"
+"""Name of the mesh axis that carries ZeRO-3 partitioning."""
+
+
+def make_mesh(
+    fsdp: int | None = None,
+    *,
+    data: int = 1,
+    tensor: int = 1,
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+    """Builds a mesh with an ``fsdp`` axis and optional ``data``/``tensor`` axes.
+
+    Args:
+      fsdp: size of the ZeRO-3 axis; default: all devices not used by the others.
+      data: size of a pure data-parallel axis (parameters replicated across it).
+      tensor: size of a ``tensor`` axis (parameters replicated across it here).
+      devices: devices to use (default: ``jax.devices()``, all processes).
+
+    Returns:
+      A mesh with Auto axis types, axes ordered ``data, fsdp, tensor`` (the
+      ``data`` and ``tensor`` axes only when larger than one).
+
+    Raises:
+      ValueError: the sizes do not multiply to the device count.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices)
+    if fsdp is None:
+        if n % (data * tensor):
+            raise ValueError(f"{n} devices do not divide into data={data} x tensor={tensor}")
+        fsdp = n // (data * tensor)
+    if data * fsdp * tensor != n:
+        raise ValueError(
+            f"mesh data={data} x fsdp={fsdp} x tensor={tensor} = {data * fsdp * tensor} "
+            f"does not match the {n} devices; pass sizes whose product is {n}"
+        )
+    names, sizes = [], []
+    for name, size in (("data", data), (FSDP, fsdp), ("tensor", tensor)):
+        if size > 1 or name == FSDP:
+            names.append(name)
+            sizes.append(size)
+    arr = np.asarray(devices, dtype=object).reshape(sizes)
+    return Mesh(arr, tuple(names), axis_types=tuple(AxisType.Auto for _ in names))
+
+
+def batch_spec(mesh: Mesh, ndim: int = 1) -> P:
+    """PartitionSpec that splits a batch's leading dimension over the data-parallel axes."""
+    axes = tuple(a for a in ("data", FSDP) if a in mesh.axis_names)
+    return P(axes if len(axes) > 1 else axes[0], *([None] * (ndim - 1)))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParamLayout:
+    """How one parameter is partitioned and stored.
+
+    Attributes:
+      path: ``/``-joined path of the parameter in the model's state.
+      shape: the parameter's own shape.
+      dtype: its dtype name.
+      kind: ``"sharded"``, ``"flat"`` (padded and flattened) or ``"persistent"``.
+      dim: the sharded dimension of the stored array (``None`` when persistent).
+      num_shards: shard count (the ``fsdp`` axis size; 1 when persistent).
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    kind: str
+    dim: int | None
+    num_shards: int
+
+    @property
+    def size(self) -> int:
+        """Number of elements of the parameter."""
+        return math.prod(self.shape)
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        """Shape of the stored array (padded 1-D for ``flat``)."""
+        if self.kind == "flat":
+            return (-(-self.size // self.num_shards) * self.num_shards,)
+        return self.shape
+
+    @property
+    def shard_shape(self) -> tuple[int, ...]:
+        """Shape of one shard of the stored array."""
+        s = list(self.stored_shape)
+        if self.dim is not None:
+            s[self.dim] //= self.num_shards
+        return tuple(s)
+
+    @property
+    def spec(self) -> P:
+        """PartitionSpec of the stored array."""
+        if self.dim is None:
+            return P()
+        return P(*([None] * self.dim), FSDP)
+
+    def bytes_per_device(self, dtype: Any = None) -> int:
+        """Bytes of one shard in ``dtype`` (default: the parameter's own)."""
+        item = jnp.dtype(dtype or self.dtype).itemsize
+        return math.prod(self.shard_shape) * item
+
+
+def plan_partition(
+    params: Mapping[str, Any], mesh: Mesh, persistence_threshold: int
+) -> dict[str, ParamLayout]:
+    """Decides the layout of every parameter.
+
+    Args:
+      params: flat mapping of path to anything with ``.shape`` and ``.dtype``
+        (arrays or ``jax.ShapeDtypeStruct``).
+      mesh: the mesh; its ``fsdp`` axis size is the shard count.
+      persistence_threshold: parameters with at most this many elements stay
+        whole on every device.
+
+    Returns:
+      Path to :class:`ParamLayout`, in the input's order.
+    """
+    n = mesh.shape[FSDP]
+    out = {}
+    for path, leaf in params.items():
+        shape = tuple(int(d) for d in leaf.shape)
+        dtype = jnp.dtype(leaf.dtype).name
+        size = math.prod(shape)
+        if size <= persistence_threshold:
+            kind, dim = "persistent", None
+        else:
+            dims = sorted(range(len(shape)), key=lambda d: (-shape[d], d))
+            dim = next((d for d in dims if shape[d] % n == 0), None)
+            kind = "sharded" if dim is not None else "flat"
+            dim = 0 if dim is None else dim
+        out[path] = ParamLayout(
+            path=path, shape=shape, dtype=dtype, kind=kind, dim=dim, num_shards=1 if dim is None else n
+        )
+    return out
+
+
+def to_stored(layout: ParamLayout, value: Any) -> Any:
+    """Turns a parameter into its stored form (pads and flattens ``flat`` ones)."""
+    if layout.kind != "flat":
+        return value
+    xp = np if isinstance(value, np.ndarray) else jnp
+    flat = xp.reshape(value, (-1,))
+    return xp.pad(flat, (0, layout.stored_shape[0] - layout.size))
+
+
+def from_stored(layout: ParamLayout, stored: Any) -> Any:
+    """Inverse of :func:`to_stored`: drops the padding and restores the shape."""
+    if layout.kind != "flat":
+        return stored
+    return stored[: layout.size].reshape(layout.shape)
+
+
+def shard_index_of(mesh: Mesh, device: jax.Device) -> int:
+    """The device's coordinate on the ``fsdp`` axis (its shard index)."""
+    pos = np.argwhere(mesh.devices == device)
+    if pos.size == 0:
+        raise ValueError(f"{device} is not in the mesh")
+    return int(pos[0][mesh.axis_names.index(FSDP)])
+
+
+def local_shard_devices(mesh: Mesh) -> dict[int, list[jax.Device]]:
+    """Shard index to this process's devices that hold that shard."""
+    out: dict[int, list[jax.Device]] = {}
+    for d in mesh.devices.flat:
+        if d.process_index == jax.process_index():
+            out.setdefault(shard_index_of(mesh, d), []).append(d)
+    return dict(sorted(out.items()))
+
+
+def assemble(layout: ParamLayout, mesh: Mesh, shards: Mapping[int, Any], dtype: Any = None) -> jax.Array:
+    """Builds the global sharded array of a stored parameter from local shards.
+
+    Args:
+      layout: the parameter's layout.
+      mesh: the mesh.
+      shards: shard index to a host array or jax.Array, for every local index
+        (index 0 alone for persistent parameters).
+      dtype: cast to this dtype on the way (default: keep).
+
+    Returns:
+      A jax.Array with ``NamedSharding(mesh, layout.spec)`` in device memory.
+    """
+    sharding = NamedSharding(mesh, layout.spec)
+    arrays = []
+    for idx, devs in local_shard_devices(mesh).items():
+        src = shards[0 if layout.dim is None else idx]
+        if dtype is not None and src.dtype != dtype:
+            src = src.astype(dtype)
+        arrays.extend(jax.device_put(src, d) for d in devs)
+    order = {d: i for i, d in enumerate(sharding.addressable_devices)}
+    arrays.sort(key=lambda a: order[next(iter(a.devices()))])
+    return jax.make_array_from_single_device_arrays(layout.stored_shape, sharding, arrays)
+
+
+def split_local(layout: ParamLayout, mesh: Mesh, array: jax.Array) -> dict[int, jax.Array]:
+    """The inverse of :func:`assemble`: one single-device array per local shard index."""
+    out = {}
+    for s in array.addressable_shards:
+        idx = 0 if layout.dim is None else shard_index_of(mesh, s.device)
+        out.setdefault(idx, s.data)
+    return dict(sorted(out.items()))
+
+
+def format_table(layouts: Iterable[ParamLayout], dtype: Any = None) -> str:
+    """A readable table: path, shape, kind, spec, bytes per device."""
+    rows = [("path", "shape", "kind", "spec", "bytes/device")]
+    total = 0
+    for lay in layouts:
+        b = lay.bytes_per_device(dtype)
+        total += b
+        rows.append((lay.path, str(lay.shape), lay.kind, str(tuple(lay.spec)), f"{b:,}"))
+    rows.append(("total", "", "", "", f"{total:,}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    lines = ["  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    lines.insert(len(lines) - 1, "-" * len(lines[0]))
+    return "\n".join(lines)

@@ -1,0 +1,207 @@
+"""The in-memory tiers: device memory and host RAM.
+
+Both keep two tables, *committed* and *pending*: puts land in pending, and
+:meth:`commit` moves them to committed in one step, so a reader that only looks
+at committed data never sees half a step. Transfers run on a small thread pool
+so that puts and gets are asynchronous like the NVMe tier's, with in-flight
+bytes bounded by the same :class:`ByteBudget`.
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import numpy as np
+
+from zinf_jax.tiers.base import ByteBudget, ShardSpec, TierError, np_dtype as _np
+
+__all__ = ["DeviceTier", "CpuTier"]
+
+
+def _nbytes(value: Any) -> int:
+    return int(np.prod(value.shape, dtype=np.int64)) * np.dtype(value.dtype).itemsize
+
+
+class _MemoryTier:
+    """Shared bookkeeping of the device and cpu tiers (not public)."""
+
+    kind = "memory"
+
+    def __init__(self, *, max_in_flight_bytes: int, io_threads: int = 2):
+        self.budget = ByteBudget(max_in_flight_bytes)
+        self._specs: dict[str, ShardSpec] = {}
+        self._local: dict[str, list[int]] = {}
+        self._committed: dict[tuple[str, int], Any] = {}
+        self._pending: dict[tuple[str, int], Any] = {}
+        self._meta: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix=f"zinf-{self.kind}")
+        self._futures: set[Future] = set()
+
+    # --- layout -------------------------------------------------------------
+    def declare(self, key: str, spec: ShardSpec, local_indices: Sequence[int] | None = None) -> None:
+        old = self._specs.get(key)
+        if old is not None and old != spec:
+            raise TierError(f"{self.kind} tier: key {key!r} already declared as {old}, not {spec}")
+        self._specs[key] = spec
+        self._local[key] = sorted(range(spec.num_shards) if local_indices is None else local_indices)
+
+    def keys(self) -> list[str]:
+        return list(self._specs)
+
+    def spec(self, key: str) -> ShardSpec:
+        try:
+            return self._specs[key]
+        except KeyError:
+            raise TierError(f"{self.kind} tier: unknown key {key!r}; declare it first") from None
+
+    def local_indices(self, key: str) -> list[int]:
+        self.spec(key)
+        return list(self._local[key])
+
+    # --- I/O ----------------------------------------------------------------
+    def _submit(self, nbytes: int, fn: Callable[[], Any]) -> Future:
+        self.budget.acquire(nbytes)
+
+        def run():
+            try:
+                return fn()
+            finally:
+                self.budget.release(nbytes)
+
+        fut = self._pool.submit(run)
+        with self._lock:
+            self._futures.add(fut)
+        fut.add_done_callback(self._forget)
+        return fut
+
+    def _forget(self, fut: Future) -> None:
+        with self._lock:
+            self._futures.discard(fut)
+
+    def _check(self, key: str, index: int, value: Any | None = None) -> ShardSpec:
+        spec = self.spec(key)
+        if not 0 <= index < spec.num_shards:
+            raise TierError(f"{self.kind} tier: shard {index} of {key!r} out of range 0..{spec.num_shards - 1}")
+        if value is not None and tuple(value.shape) != spec.shard_shape:
+            raise TierError(
+                f"{self.kind} tier: shard of {key!r} has shape {tuple(value.shape)}, declared {spec.shard_shape}"
+            )
+        return spec
+
+    def put(self, key: str, index: int, value: Any) -> Future:
+        spec = self._check(key, index, value)
+
+        def store():
+            stored = self._place(index, value, spec)
+            with self._lock:
+                self._pending[(key, index)] = stored
+
+        return self._submit(spec.shard_nbytes, store)
+
+    def get(self, key: str, index: int, *, out: np.ndarray | None = None) -> Future:
+        spec = self._check(key, index)
+        with self._lock:
+            value = self._pending.get((key, index), self._committed.get((key, index)))
+        if value is None:
+            raise TierError(f"{self.kind} tier: no data for shard {index} of {key!r}")
+
+        def load():
+            if out is None:
+                return value
+            out[...] = np.asarray(value)
+            return out
+
+        return self._submit(spec.shard_nbytes, load)
+
+    def _place(self, index: int, value: Any, spec: ShardSpec) -> Any:
+        raise NotImplementedError
+
+    # --- commit -------------------------------------------------------------
+    def wait(self) -> None:
+        with self._lock:
+            futs = list(self._futures)
+        for f in futs:
+            f.result()
+
+    def commit(self, metadata: Mapping[str, Any] | None = None) -> None:
+        self.wait()
+        with self._lock:
+            self._committed.update(self._pending)
+            self._pending.clear()
+            if metadata is not None:
+                self._meta = dict(metadata)
+
+    def metadata(self) -> dict[str, Any]:
+        return dict(self._meta)
+
+    def stored_bytes(self) -> int:
+        """Bytes held (committed and pending)."""
+        with self._lock:
+            return sum(_nbytes(v) for v in {**self._committed, **self._pending}.values())
+
+    def close(self) -> None:
+        self.wait()
+        self._pool.shutdown(wait=True)
+
+
+class DeviceTier(_MemoryTier):
+    """Shards kept as single-device ``jax.Array`` in accelerator memory.
+
+    Args:
+      placement: shard index to the device that stores it (default: the first
+        local device for every index).
+      max_in_flight_bytes: bound on bytes being transferred at once.
+    """
+
+    kind = "device"
+
+    def __init__(self, *, placement: Callable[[int], jax.Device] | None = None, max_in_flight_bytes: int = 1 << 30):
+        super().__init__(max_in_flight_bytes=max_in_flight_bytes)
+        self._placement = placement or (lambda i: jax.local_devices()[0])
+
+    def _place(self, index: int, value: Any, spec: ShardSpec) -> Any:
+        if isinstance(value, jax.Array) and value.sharding.memory_kind in (None, "device"):
+            return value.astype(spec.dtype) if value.dtype != spec.dtype else value
+        dev = self._placement(index)
+        arr = jax.device_put(np.asarray(value, dtype=_np(spec.dtype)), dev)
+        return arr.block_until_ready()
+
+
+class CpuTier(_MemoryTier):
+    """Shards kept in host RAM.
+
+    Args:
+      memory: ``"pinned_host"`` keeps shards as jax.Arrays in the pinned host
+        memory of their device (fast host-to-device copies, zero-copy
+        ``np.asarray``); ``"numpy"`` keeps plain numpy buffers (what the CPU
+        optimizer updates in place).
+      placement: shard index to the device whose host memory holds it.
+      max_in_flight_bytes: bound on bytes being transferred at once.
+    """
+
+    kind = "cpu"
+
+    def __init__(
+        self,
+        *,
+        memory: str = "pinned_host",
+        placement: Callable[[int], jax.Device] | None = None,
+        max_in_flight_bytes: int = 1 << 30,
+    ):
+        if memory not in ("pinned_host", "numpy"):
+            raise ValueError(f"CpuTier memory must be 'pinned_host' or 'numpy', got {memory!r}")
+        super().__init__(max_in_flight_bytes=max_in_flight_bytes)
+        self.memory = memory
+        self._placement = placement or (lambda i: jax.local_devices()[0])
+
+    def _place(self, index: int, value: Any, spec: ShardSpec) -> Any:
+        if self.memory == "numpy":
+            return np.array(value, dtype=_np(spec.dtype), copy=True)
+        dev = self._placement(index)
+        sharding = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+        src = value if isinstance(value, jax.Array) else np.asarray(value, dtype=_np(spec.dtype))
+        return jax.device_put(src, sharding).block_until_ready()
+

@@ -1,0 +1,367 @@
+"""The NVMe tier: shards in tensorstore zarr3 arrays on a local disk.
+
+Layout under ``path`` (each process of a job owns one subdirectory, on its own
+host's disk)::
+
+    path/process_<p>/LOCK            exclusive flock held while the tier is open
+    path/process_<p>/MANIFEST.json   committed generation: key -> slot, specs, metadata
+    path/process_<p>/data/<key>/s0   zarr3 array (num_shards, *shard_shape), chunk = one shard
+    path/process_<p>/data/<key>/s1   the other slot
+
+Crash safety comes from double buffering: a key's writes in a new generation go
+to the slot the manifest does *not* point at; :meth:`NvmeTier.commit` waits for
+the (fsynced) writes and then replaces the manifest atomically (write, fsync,
+rename, fsync the directory). A process killed at any moment therefore leaves
+the last committed generation readable and bitwise intact.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import re
+import shutil
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import tensorstore as ts
+
+from zinf_jax.tiers.base import ByteBudget, ShardSpec, TierError, np_dtype
+
+__all__ = ["NvmeTier", "read_manifest", "MANIFEST"]
+
+MANIFEST = "MANIFEST.json"
+_FORMAT = "zinf_jax.nvme/1"
+
+
+def read_manifest(process_dir: str | os.PathLike) -> dict[str, Any]:
+    """The committed manifest of one process directory (empty state if none)."""
+    p = Path(process_dir) / MANIFEST
+    if not p.exists():
+        return {"format": _FORMAT, "generation": 0, "keys": {}, "metadata": {}}
+    with open(p) as f:
+        return json.load(f)
+
+
+def _check_dir(root: Path) -> None:
+    if not root.exists():
+        raise TierError(f"nvme tier: path {str(root)!r} does not exist; create it or set offload path to a directory on a local disk")
+    if not root.is_dir():
+        raise TierError(f"nvme tier: path {str(root)!r} is not a directory; set offload path to a directory")
+    probe = root / f".zinf_probe_{os.getpid()}_{threading.get_ident()}"
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"x")
+        probe.unlink()
+    except OSError as e:
+        raise TierError(f"nvme tier: path {str(root)!r} is not writable ({e.strerror}); choose a writable directory") from e
+
+
+def _safe(key: str) -> str:
+    parts = [re.sub(r"[^A-Za-z0-9._-]", "_", p) or "_" for p in key.split("/")]
+    return "/".join(p if p not in (".", "..") else "_" + p for p in parts)
+
+
+class NvmeTier:
+    """Shards on local NVMe through tensorstore, committed atomically.
+
+    Args:
+      path: an existing, writable directory on a local disk.
+      process_index: this process's index (default ``jax.process_index()``).
+      max_in_flight_bytes: bound on bytes of reads and writes in flight.
+      direct_io: bypass the page cache (``O_DIRECT``) so reads measure the disk.
+      sync: fsync every write before it counts as done (needed for crash safety).
+
+    Raises:
+      TierError: the path is missing, not a directory or not writable, or
+        another job holds its lock.
+    """
+
+    kind = "nvme"
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        process_index: int | None = None,
+        max_in_flight_bytes: int = 1 << 30,
+        direct_io: bool = False,
+        sync: bool = True,
+    ):
+        root = Path(path)
+        _check_dir(root)
+        if process_index is None:
+            import jax
+
+            process_index = jax.process_index()
+        self.dir = root / f"process_{process_index}"
+        self.dir.mkdir(exist_ok=True)
+        self._lockf = open(self.dir / "LOCK", "a+")
+        try:
+            fcntl.flock(self._lockf, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lockf.seek(0)
+            holder = self._lockf.read().strip() or "another process"
+            self._lockf.close()
+            raise TierError(
+                f"nvme tier: {str(self.dir)!r} is locked by {holder}; another job is using this directory. "
+                "Stop it or give this job its own offload path."
+            ) from None
+        self._lockf.seek(0)
+        self._lockf.truncate()
+        self._lockf.write(f"pid {os.getpid()}\n")
+        self._lockf.flush()
+
+        self.budget = ByteBudget(max_in_flight_bytes)
+        ctx: dict[str, Any] = {"file_io_sync": bool(sync)}
+        if direct_io:
+            ctx["file_io_mode"] = {"mode": "direct"}
+        self._ctx = ts.Context(ctx)
+        man = read_manifest(self.dir)
+        self._generation = int(man["generation"])
+        self._meta: dict[str, Any] = dict(man.get("metadata", {}))
+        self._specs = {k: ShardSpec.from_json(v["spec"]) for k, v in man["keys"].items()}
+        self._local = {k: list(v["local"]) for k, v in man["keys"].items()}
+        self._slot = {k: int(v["slot"]) for k, v in man["keys"].items()}
+        self._pending_slot: dict[str, int] = {}
+        self._written: dict[str, set[int]] = {}
+        self._handles: dict[tuple[str, int], ts.TensorStore] = {}
+        self._inflight: dict[tuple[str, int], Future] = {}
+        self._futures: set[Future] = set()
+        self._lock = threading.Lock()
+
+    # --- layout -------------------------------------------------------------
+    @property
+    def generation(self) -> int:
+        """Number of commits so far (the committed generation)."""
+        return self._generation
+
+    def declare(self, key: str, spec: ShardSpec, local_indices: Sequence[int] | None = None) -> None:
+        old = self._specs.get(key)
+        if old is not None and old != spec:
+            raise TierError(
+                f"nvme tier: {key!r} is stored in {str(self.dir)!r} as {old}, not {spec}: "
+                "the directory holds another model's state; use an empty path"
+            )
+        self._specs[key] = spec
+        self._local[key] = sorted(range(spec.num_shards) if local_indices is None else local_indices)
+
+    def keys(self) -> list[str]:
+        return list(self._specs)
+
+    def spec(self, key: str) -> ShardSpec:
+        try:
+            return self._specs[key]
+        except KeyError:
+            raise TierError(f"nvme tier: unknown key {key!r}; declare it first") from None
+
+    def local_indices(self, key: str) -> list[int]:
+        self.spec(key)
+        return list(self._local[key])
+
+    def _array(self, key: str, slot: int, *, fresh: bool = False) -> ts.TensorStore:
+        h = self._handles.get((key, slot))
+        if h is not None:
+            return h
+        spec = self._specs[key]
+        shape = [spec.num_shards, *spec.shard_shape]
+        path = self.dir / "data" / _safe(key) / f"s{slot}"
+        try:
+            h = ts.open(
+                {
+                    "driver": "zarr3",
+                    "kvstore": {"driver": "file", "path": str(path)},
+                    "metadata": {
+                        "shape": shape,
+                        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1, *spec.shard_shape]}},
+                        "data_type": spec.dtype,
+                    },
+                },
+                create=fresh,
+                delete_existing=fresh,
+                open=not fresh,
+                context=self._ctx,
+            ).result()
+        except Exception as e:  # tensorstore raises ValueError/OSError subclasses
+            raise self._error(e, "opening", key, None) from e
+        self._handles[(key, slot)] = h
+        return h
+
+    def _error(self, e: Exception, what: str, key: str, index: int | None) -> TierError:
+        msg = str(e)
+        where = f"{key!r}" + ("" if index is None else f" shard {index}")
+        if "No space left" in msg or "ENOSPC" in msg or getattr(e, "errno", None) == errno.ENOSPC:
+            return TierError(
+                f"nvme tier: disk full while {what} {where} under {str(self.dir)!r}. The committed state "
+                f"(generation {self._generation}) is intact; free space or use a larger disk for the offload path."
+            )
+        return TierError(f"nvme tier: {what} {where} under {str(self.dir)!r} failed: {msg}")
+
+    # --- I/O ----------------------------------------------------------------
+    def _track(self, tsfut: Any, nbytes: int, what: str, key: str, index: int, result: Any = None) -> Future:
+        cf: Future = Future()
+
+        def done(f: Any) -> None:
+            self.budget.release(nbytes)
+            try:
+                value = f.result()
+                cf.set_result(value if result is None else result)
+            except Exception as e:  # noqa: BLE001 - re-raised through the future
+                cf.set_exception(self._error(e, what, key, index))
+
+        with self._lock:
+            self._futures.add(cf)
+        cf.add_done_callback(lambda f: self._discard(f))
+        tsfut.add_done_callback(done)
+        return cf
+
+    def _discard(self, f: Future) -> None:
+        with self._lock:
+            self._futures.discard(f)
+
+    def _check(self, key: str, index: int) -> ShardSpec:
+        spec = self.spec(key)
+        if index not in self._local[key]:
+            raise TierError(f"nvme tier: shard {index} of {key!r} is not stored by this process ({self._local[key]})")
+        return spec
+
+    def put(self, key: str, index: int, value: Any) -> Future:
+        spec = self._check(key, index)
+        arr = np.asarray(value, dtype=np_dtype(spec.dtype))
+        if arr.shape != spec.shard_shape:
+            raise TierError(f"nvme tier: shard of {key!r} has shape {arr.shape}, declared {spec.shard_shape}")
+        with self._lock:
+            slot = self._pending_slot.get(key)
+            fresh = slot is None
+            if fresh:
+                slot = 1 - self._slot.get(key, 1)
+                self._pending_slot[key] = slot
+            self._written.setdefault(key, set()).add(index)
+        h = self._array(key, slot, fresh=fresh and (key, slot) not in self._handles)
+        self.budget.acquire(arr.nbytes)
+        try:
+            wf = h[index].write(arr)
+        except Exception as e:
+            self.budget.release(arr.nbytes)
+            raise self._error(e, "writing", key, index) from e
+        fut = self._track(wf.commit, arr.nbytes, "writing", key, index)
+        with self._lock:
+            self._inflight[(key, index)] = fut
+        return fut
+
+    def _read_slot(self, key: str, index: int) -> int:
+        with self._lock:
+            pending = self._inflight.get((key, index))
+            if index in self._written.get(key, ()):
+                slot = self._pending_slot[key]
+            elif key in self._slot:
+                slot = self._slot[key]
+            else:
+                raise TierError(f"nvme tier: no data for shard {index} of {key!r} in {str(self.dir)!r}")
+        if pending is not None:
+            pending.result()
+        return slot
+
+    def get(self, key: str, index: int, *, out: np.ndarray | None = None) -> Future:
+        spec = self._check(key, index)
+        h = self._array(key, self._read_slot(key, index))[index]
+        self.budget.acquire(spec.shard_nbytes)
+        try:
+            if out is None:
+                return self._track(h.read(), spec.shard_nbytes, "reading", key, index)
+            tsf = ts.array(out, copy=False, write=True).write(h)
+            return self._track(tsf.commit, spec.shard_nbytes, "reading", key, index, result=out)
+        except Exception as e:
+            self.budget.release(spec.shard_nbytes)
+            raise self._error(e, "reading", key, index) from e
+
+    # --- commit -------------------------------------------------------------
+    def wait(self) -> None:
+        with self._lock:
+            futs = list(self._futures)
+        errors = [f.exception() for f in futs if f.exception() is not None]
+        if errors:
+            raise errors[0]
+
+    def commit(self, metadata: Mapping[str, Any] | None = None) -> None:
+        """Waits for the writes of this generation, then publishes them atomically.
+
+        Shards of a rewritten key that this generation did not write are copied
+        from the committed slot, so every slot a manifest names is complete.
+
+        Raises:
+          TierError: a write failed (e.g. disk full); nothing was published and
+            the previous generation stays committed.
+        """
+        try:
+            self.wait()
+            for key, written in self._written.items():
+                missing = [i for i in self._local[key] if i not in written]
+                if missing and key not in self._slot:
+                    raise TierError(f"nvme tier: {key!r} shards {missing} were never written; write every local shard")
+                for i in missing:
+                    self.put(key, i, self.get(key, i).result())
+            self.wait()
+        except TierError:
+            self._abort()
+            raise
+        slots = {**self._slot, **self._pending_slot}
+        man = {
+            "format": _FORMAT,
+            "generation": self._generation + 1,
+            "keys": {k: {"slot": slots[k], "spec": self._specs[k].to_json(), "local": self._local[k]} for k in slots},
+            "metadata": dict(self._meta if metadata is None else metadata),
+        }
+        tmp = self.dir / (MANIFEST + ".tmp")
+        try:
+            with open(tmp, "w") as f:
+                json.dump(man, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.dir / MANIFEST)
+            dfd = os.open(self.dir, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError as e:
+            self._abort()
+            raise self._error(e, "committing", "MANIFEST", None) from e
+        self._generation += 1
+        self._slot = slots
+        self._meta = man["metadata"]
+        self._pending_slot.clear()
+        self._written.clear()
+        self._inflight.clear()
+
+    def _abort(self) -> None:
+        """Drops the uncommitted generation (its slots are simply rewritten later)."""
+        with self._lock:
+            self._pending_slot.clear()
+            self._written.clear()
+            self._inflight.clear()
+
+    def metadata(self) -> dict[str, Any]:
+        return dict(self._meta)
+
+    def stored_bytes(self) -> int:
+        """Bytes of committed data on disk for this process."""
+        return sum(self._specs[k].shard_nbytes * len(self._local[k]) for k in self._slot)
+
+    def destroy(self) -> None:
+        """Closes the tier and deletes this process's directory."""
+        self.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def close(self) -> None:
+        if self._lockf.closed:
+            return
+        try:
+            self.wait()
+        finally:
+            fcntl.flock(self._lockf, fcntl.LOCK_UN)
+            self._lockf.close()
