@@ -1,0 +1,400 @@
+"""Configuration: where each kind of state lives, and how it is moved.
+
+Frozen dataclasses, validated on construction: a wrong value or type raises :class:`ConfigError`
+naming the field and the values it accepts. Sizes count *elements*, as in DeepSpeed, unless the
+name ends in ``_bytes``. :meth:`ZeroConfig.from_deepspeed` reads DeepSpeed JSON configs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import warnings
+from typing import Any, Callable, Mapping
+
+__all__ = ["ConfigError", "Offload", "AioConfig", "LossScaleConfig", "OptimizerConfig", "ZeroConfig"]
+
+DEVICES = ("none", "cpu", "nvme")
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+OPTIMIZERS = ("adam", "adamw")
+
+
+class ConfigError(ValueError):
+    """A config value is missing, of the wrong type or out of range (``field`` at fault, if any)."""
+
+    def __init__(self, message: str, *, field: str | None = None, detail: str | None = None):
+        super().__init__(message)
+        self.field, self.detail = field, (message if detail is None else detail)
+
+
+class _Invalid(Exception):
+    """Raised by a converter; its text names the accepted values."""
+
+
+def _as_int(value: Any, minimum: int | None = None) -> int:
+    """Returns ``value`` as an int; floats with an integral value (``1e9``) are accepted."""
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
+        raise _Invalid("an integer" + ("" if minimum is None else f" >= {minimum}"))
+    return value
+
+
+def _as_float(value: Any, test: Callable[[float], bool], accepted: str) -> float:
+    """Returns ``value`` (an int or float, not a bool) as a finite float if ``test`` accepts it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not test(value):
+        raise _Invalid(accepted)
+    return float(value)
+
+
+def _as_other(value: Any, test: Callable[[Any], bool], accepted: str) -> Any:
+    """Returns ``value`` (a path-like as a str) if ``test`` accepts it."""
+    value = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if not test(value):
+        raise _Invalid(accepted)
+    return value
+
+
+# (test, accepted values) pairs for _as_float and _as_other.
+_NONNEG = (lambda v: v >= 0, "a number >= 0")
+_POSITIVE = (lambda v: v > 0, "a number > 0")
+_UNIT = (lambda v: 0 <= v < 1, "a number in [0, 1)")
+_BOOL = (lambda v: isinstance(v, bool), "true or false")
+_PATH = (lambda v: isinstance(v, str) and v != "", "a non-empty directory path (str or os.PathLike)")
+
+
+def _choices(choices: tuple[str, ...]) -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: isinstance(v, str) and v in choices), "one of " + ", ".join(map(repr, choices))
+
+
+def _field(default: Any, convert: Callable[..., Any], *args: Any, optional: bool = False,
+           ds: str | tuple[str, ...] = (), nested: type | None = None) -> Any:
+    """A field checked by ``convert(value, *args)``, read from DeepSpeed key ``ds`` (or its aliases)."""
+    return dataclasses.field(default=default, metadata={"check": (convert, args, optional), "ds": ds, "nested": nested})
+
+
+def _nested(default: Any, cls: type, optional: bool = False) -> Any:
+    """A field holding a ``cls`` instance (given as a dict of its fields to :meth:`ZeroConfig.from_dict`)."""
+    return _field(default, _as_other, lambda v: isinstance(v, cls), f"a zinf_jax.{cls.__name__}", optional=optional,
+                  nested=cls)
+
+
+def _validate(obj: Any) -> None:
+    """Checks every field of the frozen ``obj``, stores normalized values, else raises ConfigError."""
+    for f in dataclasses.fields(obj):
+        convert, args, optional = f.metadata["check"]
+        value = getattr(obj, f.name)
+        if optional and value is None:
+            continue
+        try:
+            object.__setattr__(obj, f.name, convert(value, *args))
+        except _Invalid as e:
+            detail = f"expected {e}{' or None' if optional else ''}, got {value!r}"
+            raise ConfigError(f"{type(obj).__name__}.{f.name}: {detail}", field=f.name, detail=detail) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Offload:
+    """Where one kind of state lives, and the staging buffers that move it.
+
+    ``device`` is the only positional field: ``Offload("nvme", path="/local_nvme")``.
+    Mirrors DeepSpeed's ``offload_param`` / ``offload_optimizer`` sections.
+    """
+
+    device: str = _field("none", _as_other, *_choices(DEVICES), ds="device")
+    """Tier of the state: ``"none"`` (accelerator memory), ``"cpu"`` (host RAM), ``"nvme"`` (files under ``path``)."""
+    _: dataclasses.KW_ONLY
+    path: str | None = _field(None, _as_other, *_PATH, optional=True, ds="nvme_path")
+    """Directory of the NVMe tier (DeepSpeed ``nvme_path``); required when ``device="nvme"``, unused otherwise."""
+    pin_memory: bool = _field(True, _as_other, *_BOOL, ds="pin_memory")
+    """Stage host copies in page-locked (``pinned_host``) memory so device transfers can be asynchronous DMA."""
+    buffer_count: int = _field(5, _as_int, 1, ds="buffer_count")
+    """Number of staging buffers in the pool between this tier and the device (bounds memory in flight)."""
+    buffer_size: int = _field(100_000_000, _as_int, 1, ds="buffer_size")
+    """Elements per staging buffer."""
+    max_in_cpu: int = _field(1_000_000_000, _as_int, 0, ds="max_in_cpu")
+    """With ``device="nvme"``: elements also kept cached in host RAM."""
+    pipeline_read: bool = _field(False, _as_other, *_BOOL, ds="pipeline_read")
+    """Streamed optimizer step: read sub-group ``j+1`` while sub-group ``j`` is updated."""
+    pipeline_write: bool = _field(False, _as_other, *_BOOL, ds="pipeline_write")
+    """Streamed optimizer step: write sub-group ``j-1`` while sub-group ``j`` is updated."""
+    direct_io: bool = _field(False, _as_other, *_BOOL)
+    """Bypass the page cache for NVMe reads and writes (measures and uses the disk, not RAM)."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
+        if self.device == "nvme" and self.path is None:
+            detail = "required when device='nvme' (DeepSpeed: nvme_path): a directory on a local NVMe drive"
+            raise ConfigError(f"Offload.path: {detail}", field="path", detail=detail)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AioConfig:
+    """Asynchronous I/O settings of the NVMe tier (DeepSpeed's ``aio`` section)."""
+
+    block_size: int = _field(1_048_576, _as_int, 1, ds="block_size")
+    """Bytes per I/O request."""
+    queue_depth: int = _field(8, _as_int, 1, ds="queue_depth")
+    """I/O requests kept in flight at once."""
+    intra_op_parallelism: int = _field(1, _as_int, 1, ds=("intra_op_parallelism", "thread_count"))
+    """Threads serving one read or write (DeepSpeed's old name: ``thread_count``)."""
+    single_submit: bool = _field(False, _as_other, *_BOOL, ds="single_submit")
+    """Submit requests one by one instead of as one batch."""
+    overlap_events: bool = _field(True, _as_other, *_BOOL, ds="overlap_events")
+    """Submit new requests without waiting for earlier ones to complete."""
+
+    __post_init__ = _validate
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LossScaleConfig:
+    """Loss scaling for float16 compute, with DeepSpeed's fp16 rules.
+
+    An overflowing step is skipped; once ``hysteresis`` overflows are absorbed the dynamic
+    scale halves (not below ``min_scale``); after ``window`` clean steps it doubles.
+    """
+
+    enabled: bool = _field(False, _as_other, *_BOOL)
+    """Scale the loss (and unscale the gradients) at all."""
+    static_scale: float = _field(0.0, _as_float, *_NONNEG, ds="loss_scale")
+    """A fixed scale; ``0`` selects dynamic scaling."""
+    initial_scale_power: int = _field(16, _as_int, 0, ds="initial_scale_power")
+    """The dynamic scale starts at ``2**initial_scale_power``."""
+    window: int = _field(1000, _as_int, 1, ds="loss_scale_window")
+    """Clean steps after which the dynamic scale doubles."""
+    hysteresis: int = _field(2, _as_int, 1, ds="hysteresis")
+    """Overflows tolerated before the scale is halved."""
+    min_scale: float = _field(1.0, _as_float, *_POSITIVE, ds="min_loss_scale")
+    """The dynamic scale never drops below this."""
+    consecutive_hysteresis: bool = _field(False, _as_other, *_BOOL, ds="consecutive_hysteresis")
+    """Refill the hysteresis budget after every clean step (not only after a window)."""
+
+    __post_init__ = _validate
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """Adam hyper-parameters, as read from a DeepSpeed ``optimizer`` section."""
+
+    name: str = _field("adamw", _as_other, *_choices(OPTIMIZERS))
+    """``"adamw"``: decoupled weight decay; ``"adam"``: weight decay added to the gradient (L2)."""
+    lr: float = _field(1e-3, _as_float, *_NONNEG, ds="lr")
+    """Learning rate."""
+    b1: float = _field(0.9, _as_float, *_UNIT)
+    """Decay rate of the first moment."""
+    b2: float = _field(0.999, _as_float, *_UNIT)
+    """Decay rate of the second moment."""
+    eps: float = _field(1e-8, _as_float, *_NONNEG, ds="eps")
+    """Added to the denominator for numerical stability."""
+    weight_decay: float = _field(0.0, _as_float, *_NONNEG, ds="weight_decay")
+    """Weight decay coefficient."""
+
+    __post_init__ = _validate
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ZeroConfig:
+    """ZeRO stage 3 / ZeRO-Infinity: every parameter sharded, state staged in tiers."""
+
+    offload_param: Offload = _nested(Offload("none"), Offload)
+    """Tier of the compute-dtype parameter shards between uses."""
+    offload_optimizer: Offload = _nested(Offload("cpu"), Offload)
+    """Tier of the fp32 master params and Adam moments; ``"none"`` runs a pure-JAX Adam on device."""
+    prefetch_depth: int = _field(2, _as_int, 0)
+    """Units fetched ahead of the one computing (``0``: no prefetch)."""
+    prefetch_bucket_size: int = _field(50_000_000, _as_int, 0, ds="stage3_prefetch_bucket_size")
+    """Elements fetched ahead at most (DeepSpeed ``stage3_prefetch_bucket_size``)."""
+    max_live_bytes: int | None = _field(None, _as_int, 1, optional=True)
+    """Device bytes of gathered parameters alive at once; ``None``: unbounded."""
+    max_reuse_distance: int = _field(1_000_000_000, _as_int, 0, ds="stage3_max_reuse_distance")
+    """Keep a gathered parameter if it is used again within this many elements."""
+    persistence_threshold: int = _field(100_000, _as_int, 0, ds="stage3_param_persistence_threshold")
+    """Parameters with at most this many elements stay gathered on device."""
+    compute_dtype: str | None = _field(None, _as_other, *_choices(COMPUTE_DTYPES), optional=True)
+    """``"float32"``, ``"bfloat16"`` or ``"float16"``; ``None``: float32 on CPU, bfloat16 on GPU/TPU."""
+    sub_group_size: int = _field(1_000_000_000, _as_int, 1, ds="sub_group_size")
+    """Elements per optimizer sub-group, the unit the streamed optimizer step reads, updates and writes."""
+    max_in_flight_bytes: int = _field(1 << 30, _as_int, 1)
+    """Bytes of tier reads and writes in flight at once (back-pressure bound)."""
+    aio: AioConfig = _nested(AioConfig(), AioConfig)
+    """Asynchronous I/O settings of the NVMe tier."""
+    gradient_clipping: float = _field(0.0, _as_float, *_NONNEG)
+    """Clip gradients to this global norm; ``0``: no clipping."""
+    loss_scale: LossScaleConfig = _nested(LossScaleConfig(), LossScaleConfig)
+    """Loss scaling (used with float16 compute)."""
+    optimizer: OptimizerConfig | None = _nested(None, OptimizerConfig, optional=True)
+    """Optimizer read from a DeepSpeed config; ``None``: the one given to ``initialize``."""
+    seed: int = _field(0, _as_int)
+    """Seed of the parameter initialisation."""
+
+    __post_init__ = _validate
+
+    def resolved_compute_dtype(self, platform: str) -> str:
+        """Returns ``compute_dtype``, or if None ``"float32"`` on CPU and ``"bfloat16"`` elsewhere.
+
+        Args:
+          platform: ``jax.devices()[0].platform``: ``"cpu"``, ``"gpu"``, ``"tpu"``...
+        """
+        return self.compute_dtype or ("float32" if platform.lower() == "cpu" else "bfloat16")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Returns the config as nested plain dicts of JSON values (see :meth:`from_dict`)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ZeroConfig:
+        """Builds a config from :meth:`to_dict` output; missing keys take their defaults.
+
+        Raises:
+          ConfigError: on an unknown key (named with its dotted path) or a bad value.
+        """
+        return _from_dict(cls, d, "")
+
+    @classmethod
+    def from_deepspeed(cls, path_or_dict: str | os.PathLike[str] | Mapping[str, Any]) -> ZeroConfig:
+        """Reads a DeepSpeed JSON config (ZeRO stage 3 / ZeRO-Infinity keys).
+
+        ``stage3_max_live_parameters`` (elements) becomes ``max_live_bytes`` (x bytes of
+        the compute dtype). A section left out means what it means in DeepSpeed (no
+        ``offload_optimizer``: optimizer state on device); ``"auto"``/``null``: the zinf
+        default. ``"Adam"`` is AdamW unless ``params.adam_w_mode`` is false, as in
+        DeepSpeed. Keys not used, and ``"auto"`` ones, are listed in one ``UserWarning``.
+
+        Args:
+          path_or_dict: a path to the JSON file, or the parsed dict (not modified).
+
+        Raises:
+          ConfigError: file missing or not JSON, ZeRO stage other than 3, or a bad
+            value (the message names its dotted key and the accepted values).
+        """
+        return _parse_deepspeed(path_or_dict)
+
+
+def _from_dict(cls: type, d: Any, prefix: str) -> Any:
+    """Builds ``cls`` from dict ``d``, recursing into its nested config fields."""
+    if not isinstance(d, Mapping):
+        raise ConfigError(f"{prefix.rstrip('.') or cls.__name__}: expected a dict, got {d!r}")
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = [str(k) for k in d if k not in names]
+    if unknown:
+        raise ConfigError(f"unknown config key(s) {', '.join(prefix + k for k in unknown)}; "
+                          f"accepted keys{' of ' + prefix.rstrip('.') if prefix else ''}: {', '.join(names)}")
+    nested = {f.name: f.metadata["nested"] for f in dataclasses.fields(cls) if f.metadata["nested"]}
+    return cls(**{k: _from_dict(nested[k], v, f"{prefix}{k}.") if k in nested and v is not None else v
+                  for k, v in d.items()})
+
+
+# --- DeepSpeed JSON --------------------------------------------------------------------------
+
+_ABSENT: Any = object()
+_DS_OPTIMIZER = (lambda v: isinstance(v, str) and v.lower() in OPTIMIZERS, "'Adam' or 'AdamW' (any case)")
+_BETAS = (lambda v: isinstance(v, (list, tuple)) and len(v) == 2
+          and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in v),
+          "a list [b1, b2] of two numbers in [0, 1)")
+
+
+class _Section:
+    """One JSON object of a DeepSpeed config, read key by key; remembers the keys it used."""
+
+    def __init__(self, data: Mapping[str, Any], prefix: str, sections: list[_Section], auto: list[str]):
+        self.data, self.prefix, self.sections, self.auto = data, prefix, sections, auto
+        self.used: set[str] = set()
+        sections.append(self)
+
+    def key(self, names: str | tuple[str, ...]) -> str:
+        """Returns the dotted key of the first of ``names`` present (of the first one if none is)."""
+        names = (names,) if isinstance(names, str) else names
+        return self.prefix + next((n for n in names if n in self.data), names[0])
+
+    def get(self, names: str | tuple[str, ...], convert: Callable[..., Any] | None = None, *args: Any,
+            default: Any = _ABSENT) -> Any:
+        """Returns the value of ``names`` through ``convert``; ``default`` if absent, null or ``"auto"``."""
+        key = self.key(names)
+        name = key[len(self.prefix):]
+        if (value := self.data.get(name, _ABSENT)) is _ABSENT:
+            return default
+        self.used.add(name)
+        if isinstance(value, str) and value == "auto":
+            self.auto.append(key)
+            return default
+        if value is None or convert is None:
+            return default if value is None else value
+        try:
+            return convert(value, *args)
+        except _Invalid as e:
+            raise ConfigError(f"{key}: expected {e}, got {value!r}") from None
+
+    def section(self, name: str) -> _Section:
+        """Returns the sub-object ``name`` (empty when absent or null)."""
+        value = self.get(name, default={})
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{self.prefix}{name}: expected a JSON object, got {value!r}")
+        return _Section(value, f"{self.prefix}{name}.", self.sections, self.auto)
+
+    def build(self, cls: type, **fixed: Any) -> Any:
+        """Builds ``cls`` from ``fixed`` and the DeepSpeed keys of its fields; errors name those keys."""
+        fields = {f.name: f.metadata["ds"] for f in dataclasses.fields(cls) if f.metadata["ds"]}
+        kwargs = dict(fixed)
+        for field, names in fields.items():
+            if (value := self.get(names)) is not _ABSENT:
+                kwargs[field] = value
+        try:
+            return cls(**kwargs)
+        except ConfigError as e:
+            if e.field not in fields:
+                raise
+            raise ConfigError(f"{self.key(fields[e.field])}: {e.detail}", field=e.field, detail=e.detail) from None
+
+
+def _parse_deepspeed(path_or_dict: Any) -> ZeroConfig:
+    """Implements :meth:`ZeroConfig.from_deepspeed`."""
+    data, source = path_or_dict, "(dict)"
+    if not isinstance(data, Mapping):
+        source = os.fspath(path_or_dict)
+        try:
+            with open(source, encoding="utf-8") as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"DeepSpeed config file not found: {source}") from None
+        except (OSError, ValueError) as e:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise ConfigError(f"cannot read DeepSpeed config {source} (invalid JSON?): {e}") from None
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"DeepSpeed config {source}: expected a JSON object at the top, got {data!r:.40}")
+    top = _Section(data, "", sections=[], auto=[])
+    zero = top.section("zero_optimization")
+    if (stage := zero.get("stage", _as_int, default=None)) != 3:
+        got = "no stage" if stage is None else stage
+        raise ConfigError("zero_optimization.stage: zinf_jax implements ZeRO stage 3 / ZeRO-Infinity only "
+                          f'(accepted value: 3), got {got}; set "zero_optimization": {{"stage": 3}}')
+    bf16 = top.section("bfloat16" if "bfloat16" in data and "bf16" not in data else "bf16")
+    fp16 = top.section("fp16")
+    use_bf16 = bf16.get("enabled", _as_other, *_BOOL, default=False)
+    use_fp16 = fp16.get("enabled", _as_other, *_BOOL, default=False)
+    if use_bf16 and use_fp16:
+        raise ConfigError(f"{bf16.prefix}enabled, fp16.enabled: accepted values: at most one of them true, got both")
+    was_auto = f"{bf16.prefix}enabled" in top.auto or "fp16.enabled" in top.auto  # then let the platform decide
+    dtype = "bfloat16" if use_bf16 else "float16" if use_fp16 else None if was_auto else "float32"
+    optimizer = None
+    if (opt := top.section("optimizer")).data:
+        if (kind := opt.get("type", _as_other, *_DS_OPTIMIZER, default=None)) is None:
+            raise ConfigError("optimizer.type: missing; accepted values: 'Adam', 'AdamW'")
+        params = opt.section("params")
+        adam_w = params.get("adam_w_mode", _as_other, *_BOOL, default=True)  # DeepSpeed: "Adam" is AdamW by default
+        b1, b2 = params.get("betas", _as_other, *_BETAS, default=(OptimizerConfig.b1, OptimizerConfig.b2))
+        name = "adamw" if kind.lower() == "adamw" or adam_w else "adam"
+        optimizer = params.build(OptimizerConfig, name=name, b1=b1, b2=b2)
+    max_live = zero.get("stage3_max_live_parameters", _as_int, 1, default=None)
+    config = zero.build(
+        ZeroConfig, offload_param=zero.section("offload_param").build(Offload),
+        offload_optimizer=zero.section("offload_optimizer").build(Offload, buffer_count=4),  # DeepSpeed's default
+        aio=top.section("aio").build(AioConfig),
+        max_live_bytes=None if max_live is None else max_live * (2 if dtype in ("bfloat16", "float16") else 4),
+        compute_dtype=dtype, loss_scale=fp16.build(LossScaleConfig, enabled=use_fp16),
+        optimizer=optimizer, gradient_clipping=top.get("gradient_clipping", _as_float, *_NONNEG, default=0.0))
+    unused = sorted(f"{s.prefix}{k}" for s in top.sections for k in s.data if k not in s.used)
+    notes = [f"{what}: {', '.join(keys)}" for what, keys in [("keys not used by zinf_jax", unused),
+             ("'auto' replaced by the zinf_jax default", sorted(top.auto))] if keys]
+    if notes:
+        warnings.warn(f"DeepSpeed config {source}: " + "; ".join(notes), UserWarning, stacklevel=3)
+    return config
