@@ -1,0 +1,74 @@
+"""The gradient sink: where reduce-scattered parameter gradients go.
+
+Each unit's backward hands its float32 gradients, already reduce-scattered to
+the stored sharding, to :meth:`GradSink.add`. The sink copies this process's
+shards to host buffers (device memory is released at once) and sums repeated
+contributions, so a parameter used by two unit calls (a tied embedding) gets
+the sum of both gradients.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Iterator, Mapping
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from zinf_jax.sharding import ParamLayout, split_local
+
+__all__ = ["GradSink"]
+
+
+class GradSink:
+    """Host float32 accumulators per (parameter path, local shard index).
+
+    Args:
+      layouts: parameter layouts (for the shard indices).
+      mesh: the mesh.
+    """
+
+    def __init__(self, layouts: Mapping[str, ParamLayout], mesh: Mesh):
+        self.layouts = layouts
+        self.mesh = mesh
+        self._acc: dict[tuple[str, int], np.ndarray] = {}
+        self._lock = threading.Lock()
+
+    def add(self, path: str, grad: jax.Array) -> None:
+        """Adds a stored-form, sharded float32 gradient of ``path``."""
+        shards = split_local(self.layouts[path], self.mesh, grad)
+        for s in shards.values():
+            s.copy_to_host_async()
+        for idx, s in shards.items():
+            host = np.asarray(s, dtype=np.float32)
+            with self._lock:
+                acc = self._acc.get((path, idx))
+                if acc is None:
+                    self._acc[(path, idx)] = np.array(host, copy=True)
+                else:
+                    acc += host
+
+    def add_local(self, path: str, index: int, grad: np.ndarray) -> None:
+        """Adds a host gradient for one local shard (persistent parameters)."""
+        with self._lock:
+            acc = self._acc.get((path, index))
+            if acc is None:
+                self._acc[(path, index)] = np.array(grad, dtype=np.float32, copy=True)
+            else:
+                acc += grad
+
+    def get(self, path: str, index: int) -> np.ndarray | None:
+        """The accumulated gradient shard, or ``None`` if none arrived this step."""
+        return self._acc.get((path, index))
+
+    def items(self) -> Iterator[tuple[tuple[str, int], np.ndarray]]:
+        return iter(list(self._acc.items()))
+
+    def nbytes(self) -> int:
+        """Host bytes held."""
+        return sum(a.nbytes for a in self._acc.values())
+
+    def clear(self) -> None:
+        """Forgets every gradient (start of a step)."""
+        with self._lock:
+            self._acc.clear()

@@ -1,0 +1,129 @@
+"""The prefetcher: keeps the next units' parameters in flight.
+
+It walks a static schedule (the plan's forward calls, then the same in reverse
+for the backward pass). When unit ``i`` of the schedule is taken, fetches for
+``i+1 .. i+depth`` are issued on a worker thread (tier read, host-to-device
+copy, assembly into sharded arrays), as long as the bytes held on device stay
+under ``max_live_bytes``. A call that does not follow the schedule is served on
+demand and recorded, so the next step can use the order actually seen.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Sequence
+
+import jax
+
+from zinf_jax.tiers.base import done_future
+
+__all__ = ["Prefetcher"]
+
+Call = tuple[int, str]
+
+
+class Prefetcher:
+    """Schedules unit fetches ahead of use.
+
+    Args:
+      fetch: uid to the unit's stored-form device arrays (runs on a worker).
+      nbytes: uid to the device bytes those arrays take.
+      depth: units kept in flight ahead of the current one (0: fetch on use).
+      max_live_bytes: bound on bytes held (current + prefetched); ``None``: none.
+    """
+
+    def __init__(
+        self,
+        fetch: Callable[[int], list[jax.Array]],
+        nbytes: Callable[[int], int],
+        depth: int,
+        max_live_bytes: int | None,
+    ):
+        self._fetch = fetch
+        self._nbytes = nbytes
+        self.depth = depth
+        self.max_live_bytes = max_live_bytes
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="zinf-prefetch")
+        self._schedule: tuple[Call, ...] = ()
+        self._pos = 0
+        self._inflight: dict[int, Future] = {}
+        self._current: tuple[int, list[jax.Array]] | None = None
+        self.seen: list[Call] = []
+        self.deviated = False
+        self.fetches = 0
+
+    def start(self, schedule: Sequence[Call]) -> None:
+        """Begins a pass over ``schedule`` and issues the first fetches."""
+        self.finish()
+        self._schedule = tuple(schedule)
+        self._pos = 0
+        self.seen = []
+        self.deviated = False
+        self._fill()
+
+    def held_bytes(self) -> int:
+        """Bytes of parameters held on device: the current unit and prefetched ones."""
+        uids = {self._schedule[p][0] for p in self._inflight}
+        if self._current is not None:
+            uids.add(self._current[0])
+        return sum(self._nbytes(u) for u in uids)
+
+    def take(self, call: Call) -> list[jax.Array]:
+        """The arrays of the unit of ``call``, prefetched when the schedule foresaw it."""
+        self.seen.append(call)
+        uid = call[0]
+        expected = self._schedule[self._pos] if self._pos < len(self._schedule) else None
+        if expected is not None and expected[0] == uid:
+            fut = self._inflight.pop(self._pos, None)
+            self._pos += 1
+        else:
+            self.deviated = True
+            fut = None
+        if fut is None:
+            if self._current is not None and self._current[0] == uid:
+                fut = done_future(self._current[1])
+            else:
+                fut = self._submit(uid)
+        arrays = fut.result()
+        self._current = (uid, arrays)
+        self._fill()
+        return arrays
+
+    def release(self) -> None:
+        """Drops the reference to the current unit unless the next call reuses it."""
+        if self._current is None:
+            return
+        nxt = self._schedule[self._pos] if self._pos < len(self._schedule) else None
+        if nxt is None or nxt[0] != self._current[0]:
+            self._current = None
+
+    def _submit(self, uid: int) -> Future:
+        self.fetches += 1
+        return self._pool.submit(self._fetch, uid)
+
+    def _fill(self) -> None:
+        stop = min(len(self._schedule), self._pos + self.depth)
+        for p in range(self._pos, stop):
+            if p in self._inflight:
+                continue
+            uid = self._schedule[p][0]
+            if self._current is not None and self._current[0] == uid:
+                self._inflight[p] = done_future(self._current[1])
+                continue
+            if any(self._schedule[q][0] == uid for q in self._inflight):
+                q = next(q for q in self._inflight if self._schedule[q][0] == uid)
+                self._inflight[p] = self._inflight[q]
+                continue
+            if self.max_live_bytes is not None and self.held_bytes() + self._nbytes(uid) > self.max_live_bytes:
+                break
+            self._inflight[p] = self._submit(uid)
+
+    def finish(self) -> None:
+        """Ends the pass: waits for stray fetches and drops every reference."""
+        for f in self._inflight.values():
+            f.exception()
+        self._inflight.clear()
+        self._current = None
+
+    def close(self) -> None:
+        self.finish()
+        self._pool.shutdown(wait=True)

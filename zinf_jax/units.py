@@ -1,0 +1,180 @@
+"""Units (gather/release granularity) and the static prefetch plan.
+
+A *unit* is a submodule whose parameters are fetched, gathered and released
+together. :class:`UnitPolicy` picks them; the default takes each repeated block
+(an item of an ``nnx.List`` or a Linen child named ``Block_0, Block_1, ...``),
+each embedding, and every other top-level child larger than the persistence
+threshold (the head). Parameters outside every unit stay on device when they are
+small; a large one outside every unit is an error naming a policy that covers it.
+
+The order of unit calls, found by one abstract trace, is a :class:`Plan`: plain
+data that drives prefetching and can be printed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any, Iterable, Mapping, Sequence
+
+__all__ = ["UnitPolicy", "Unit", "Plan", "UnitPolicyError", "select_units", "path_str"]
+
+
+class UnitPolicyError(ValueError):
+    """The unit policy leaves a large parameter outside every unit, or is inconsistent."""
+
+
+def path_str(path: Iterable[Any]) -> str:
+    """``("blocks", 0, "mlp")`` -> ``"blocks/0/mlp"``."""
+    return "/".join(str(p) for p in path)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class UnitPolicy:
+    """Which submodules are units.
+
+    Attributes:
+      classes: module classes whose instances are units.
+      patterns: regular expressions matched (``re.fullmatch``) against the
+        ``/``-joined module path, e.g. ``r"blocks/\\d+"`` or ``r"head"``.
+      default: also apply the default rules (repeated blocks, embeddings, large
+        top-level children).
+    """
+
+    classes: tuple[type, ...] = ()
+    patterns: tuple[str, ...] = ()
+    default: bool = True
+
+    def matches(self, path: tuple[Any, ...], module: Any) -> bool:
+        """Whether the user rules select this module."""
+        if self.classes and isinstance(module, self.classes):
+            return True
+        s = path_str(path)
+        return any(re.fullmatch(p, s) for p in self.patterns)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Unit:
+    """One unit.
+
+    Attributes:
+      uid: index in discovery order.
+      path: ``/``-joined module path (``"blocks/3"``).
+      param_paths: full paths of its parameters, in the order the unit's
+        program takes them.
+      nbytes: bytes of its parameters in their own dtypes.
+    """
+
+    uid: int
+    path: str
+    param_paths: tuple[str, ...]
+    nbytes: int
+
+
+_REPEATED = re.compile(r"^(.*)_(\d+)$")
+
+
+def _repeated(path: tuple[Any, ...], siblings: Sequence[Any]) -> bool:
+    last = path[-1] if path else None
+    if isinstance(last, int):
+        return True
+    m = _REPEATED.match(str(last))
+    if not m:
+        return False
+    prefix = m.group(1)
+    return sum(1 for s in siblings if (_REPEATED.match(str(s)) or [None, None])[1] == prefix) >= 2
+
+
+def select_units(
+    modules: Mapping[tuple[Any, ...], Any],
+    param_sizes: Mapping[tuple[Any, ...], int],
+    policy: UnitPolicy,
+    threshold: int,
+    *,
+    is_embedding: Any = lambda m: False,
+) -> list[tuple[Any, ...]]:
+    """Chooses unit paths, outermost first, never one inside another.
+
+    Args:
+      modules: module path to module object (the root at ``()``).
+      param_sizes: parameter path to its number of elements.
+      policy: the user's policy.
+      threshold: persistence threshold in elements.
+      is_embedding: predicate for embedding modules.
+
+    Returns:
+      Unit module paths in depth-first order.
+
+    Raises:
+      UnitPolicyError: a parameter larger than ``threshold`` is in no unit.
+    """
+
+    def size_under(path: tuple[Any, ...]) -> int:
+        n = len(path)
+        return sum(s for p, s in param_sizes.items() if p[:n] == path)
+
+    children: dict[tuple[Any, ...], list[Any]] = {}
+    for p in modules:
+        if p:
+            children.setdefault(p[:-1], []).append(p[-1])
+    def inside(path: tuple[Any, ...]) -> bool:
+        return any(path[: len(c)] == c for c in chosen)
+
+    chosen: list[tuple[Any, ...]] = []
+    ordered = sorted(modules, key=lambda p: (len(p), [str(x) for x in p]))
+    for path in ordered:  # user rules, repeated blocks, embeddings: outermost first
+        if not path or inside(path) or size_under(path) == 0:
+            continue
+        m = modules[path]
+        pick = policy.matches(path, m) or (
+            policy.default and (_repeated(path, children.get(path[:-1], [])) or is_embedding(m))
+        )
+        if pick:
+            chosen.append(path)
+    if policy.default:  # then large top-level children that hold no unit (the head)
+        for path in ordered:
+            if len(path) == 1 and not inside(path) and not any(c[:1] == path for c in chosen):
+                if size_under(path) > threshold:
+                    chosen.append(path)
+    covered = [p for p in param_sizes if any(p[: len(c)] == c for c in chosen)]
+    for p, s in param_sizes.items():
+        if p not in covered and s > threshold:
+            owner = path_str(p[:-1]) or "<root>"
+            raise UnitPolicyError(
+                f"parameter {path_str(p)!r} ({s:,} elements) is outside every unit and larger than "
+                f"persistence_threshold={threshold:,}; cover it with a unit policy such as "
+                f"UnitPolicy(patterns=({owner!r},)) or raise the persistence threshold"
+            )
+    order = {p: i for i, p in enumerate(modules)}
+    return sorted(chosen, key=lambda p: order.get(p, 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The static order of unit calls in one forward pass.
+
+    Attributes:
+      calls: ``(uid, method)`` per unit call, in forward order.
+      units: the units, by uid.
+    """
+
+    calls: tuple[tuple[int, str], ...]
+    units: tuple[Unit, ...]
+
+    def schedule(self, backward: bool) -> tuple[tuple[int, str], ...]:
+        """Fetch order: the forward calls, then (training) the same in reverse."""
+        return self.calls + (tuple(reversed(self.calls)) if backward else ())
+
+    def __str__(self) -> str:
+        lines = [f"plan: {len(self.calls)} unit calls over {len(self.units)} units"]
+        for i, (uid, method) in enumerate(self.calls):
+            u = self.units[uid]
+            lines.append(f"  {i:3d}  {u.path}.{method}  ({len(u.param_paths)} params, {u.nbytes:,} B)")
+        return "\n".join(lines)
+
+
+def nbytes_of(shapes: Iterable[tuple[tuple[int, ...], Any]]) -> int:
+    """Total bytes of (shape, dtype) pairs."""
+    import numpy as np
+
+    return sum(math.prod(s) * np.dtype(d).itemsize for s, d in shapes)
