@@ -215,6 +215,8 @@ class ZeroConfig:
     """``"float32"``, ``"bfloat16"`` or ``"float16"``; ``None``: float32 on CPU, bfloat16 on GPU/TPU."""
     sub_group_size: int = _field(1_000_000_000, _as_int, 1, ds="sub_group_size")
     """Elements per optimizer sub-group, the unit the streamed optimizer step reads, updates and writes."""
+    offload_activations: bool = _field(False, _as_other, *_BOOL)
+    """Keep the activation checkpoints at unit boundaries in pinned host memory."""
     max_in_flight_bytes: int = _field(1 << 30, _as_int, 1)
     """Bytes of tier reads and writes in flight at once (back-pressure bound)."""
     aio: AioConfig = _nested(AioConfig(), AioConfig)
