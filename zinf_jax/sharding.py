@@ -228,7 +228,9 @@ def assemble(layout: ParamLayout, mesh: Mesh, shards: Mapping[int, Any], dtype: 
         src = shards[0 if layout.dim is None else idx]
         if dtype is not None and src.dtype != dtype:
             src = src.astype(dtype)
-        arrays.extend(jax.device_put(src, d) for d in devs)
+        arrays.extend(
+            jax.device_put(src, jax.sharding.SingleDeviceSharding(d, memory_kind=d.default_memory().kind)) for d in devs
+        )
     order = {d: i for i, d in enumerate(sharding.addressable_devices)}
     arrays.sort(key=lambda a: order[next(iter(a.devices()))])
     return jax.make_array_from_single_device_arrays(layout.stored_shape, sharding, arrays)

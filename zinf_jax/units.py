@@ -139,11 +139,12 @@ def select_units(
     covered = [p for p in param_sizes if any(p[: len(c)] == c for c in chosen)]
     for p, s in param_sizes.items():
         if p not in covered and s > threshold:
-            owner = path_str(p[:-1]) or "<root>"
+            owner = path_str(p[:-1])
+            fix = (f"cover it with a unit policy such as UnitPolicy(patterns=({owner!r},))" if owner
+                   else "move it into a submodule that is a unit")
             raise UnitPolicyError(
                 f"parameter {path_str(p)!r} ({s:,} elements) is outside every unit and larger than "
-                f"persistence_threshold={threshold:,}; cover it with a unit policy such as "
-                f"UnitPolicy(patterns=({owner!r},)) or raise the persistence threshold"
+                f"persistence_threshold={threshold:,}; {fix}, or raise the persistence threshold"
             )
     order = {p: i for i, p in enumerate(modules)}
     return sorted(chosen, key=lambda p: order.get(p, 0))

@@ -3,7 +3,8 @@
 ``adam``/``adamw`` build an :class:`AdamSpec`; :func:`adam_update_shard` applies
 one step to one float32 shard in place (fused numba kernel, pure-JAX fallback);
 :mod:`~zinf_jax.optim.scaling` turns one reduction pass over the gradient into
-the clipping/unscaling multiplier, the non-finite skip and the loss-scale update.
+the clipping/unscaling multiplier, the non-finite skip and the loss-scale update;
+:class:`~zinf_jax.optim.driver.StreamedAdam` streams the state through a tier.
 """
 
 from zinf_jax.optim.adam import (
@@ -18,6 +19,7 @@ from zinf_jax.optim.adam import (
     bias_correction,
     default_decay_mask,
 )
+from zinf_jax.optim.driver import StreamedAdam
 from zinf_jax.optim.kernel import NUMBA_AVAILABLE, AdamCoefficients, warmup
 from zinf_jax.optim.scaling import (
     GradScale,
@@ -38,6 +40,7 @@ __all__ = [
     "LossScaler",
     "NUMBA_AVAILABLE",
     "Schedule",
+    "StreamedAdam",
     "adam",
     "adam_coefficients",
     "adam_update_shard",

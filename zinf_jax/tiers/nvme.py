@@ -6,6 +6,7 @@ host's disk)::
     path/process_<p>/LOCK            exclusive flock held while the tier is open
     path/process_<p>/MANIFEST.json   committed generation: key -> slot, specs, metadata
     path/process_<p>/data/<key>/s0   zarr3 array (num_shards, *shard_shape), chunk = one shard
+                                     (cut along leading dims into pieces of <= chunk_bytes)
     path/process_<p>/data/<key>/s1   the other slot
 
 Crash safety comes from double buffering: a key's writes in a new generation go
@@ -61,6 +62,25 @@ def _check_dir(root: Path) -> None:
         raise TierError(f"nvme tier: path {str(root)!r} is not writable ({e.strerror}); choose a writable directory") from e
 
 
+def _chunk_shape(shard_shape: Sequence[int], itemsize: int, limit: int) -> list[int]:
+    """A chunk of one shard: the whole shard, or near-equal leading-dim pieces of <= ``limit`` bytes.
+
+    Several chunk files per large shard let tensorstore copy, write and fsync
+    them concurrently (one 256 MiB file is written and synced by one thread).
+    """
+    chunk = list(shard_shape)
+    if itemsize * int(np.prod(chunk, dtype=np.int64)) <= limit:
+        return chunk
+    for d, n in enumerate(chunk):
+        inner = itemsize * int(np.prod(chunk[d + 1 :], dtype=np.int64))
+        if inner <= limit:
+            pieces = -(-inner * n // limit)
+            chunk[d] = -(-n // pieces)
+            return chunk
+        chunk[d] = 1
+    return chunk
+
+
 def _safe(key: str) -> str:
     parts = [re.sub(r"[^A-Za-z0-9._-]", "_", p) or "_" for p in key.split("/")]
     return "/".join(p if p not in (".", "..") else "_" + p for p in parts)
@@ -75,6 +95,10 @@ class NvmeTier:
       max_in_flight_bytes: bound on bytes of reads and writes in flight.
       direct_io: bypass the page cache (``O_DIRECT``) so reads measure the disk.
       sync: fsync every write before it counts as done (needed for crash safety).
+      chunk_bytes: shards larger than this are stored as several chunk files
+        (written, synced and read concurrently).
+      io_concurrency: file operations tensorstore runs at once for this tier
+        (``None``: tensorstore's shared default pool).
 
     Raises:
       TierError: the path is missing, not a directory or not writable, or
@@ -91,6 +115,8 @@ class NvmeTier:
         max_in_flight_bytes: int = 1 << 30,
         direct_io: bool = False,
         sync: bool = True,
+        chunk_bytes: int = 16 << 20,
+        io_concurrency: int | None = 32,
     ):
         root = Path(path)
         _check_dir(root)
@@ -117,7 +143,10 @@ class NvmeTier:
         self._lockf.flush()
 
         self.budget = ByteBudget(max_in_flight_bytes)
+        self._chunk_bytes = int(chunk_bytes)
         ctx: dict[str, Any] = {"file_io_sync": bool(sync)}
+        if io_concurrency is not None:
+            ctx["file_io_concurrency"] = {"limit": int(io_concurrency)}
         if direct_io:
             ctx["file_io_mode"] = {"mode": "direct"}
         self._ctx = ts.Context(ctx)
@@ -132,6 +161,7 @@ class NvmeTier:
         self._handles: dict[tuple[str, int], ts.TensorStore] = {}
         self._inflight: dict[tuple[str, int], Future] = {}
         self._futures: set[Future] = set()
+        self._failed: list[TierError] = []  # write errors of this generation; commit refuses while any
         self._lock = threading.Lock()
 
     # --- layout -------------------------------------------------------------
@@ -168,19 +198,14 @@ class NvmeTier:
         if h is not None:
             return h
         spec = self._specs[key]
-        shape = [spec.num_shards, *spec.shard_shape]
+        meta: dict[str, Any] = {"shape": [spec.num_shards, *spec.shard_shape], "data_type": spec.dtype}
+        if fresh:  # an existing array keeps the chunking it was created with
+            chunk = _chunk_shape(spec.shard_shape, np.dtype(np_dtype(spec.dtype)).itemsize, self._chunk_bytes)
+            meta["chunk_grid"] = {"name": "regular", "configuration": {"chunk_shape": [1, *chunk]}}
         path = self.dir / "data" / _safe(key) / f"s{slot}"
         try:
             h = ts.open(
-                {
-                    "driver": "zarr3",
-                    "kvstore": {"driver": "file", "path": str(path)},
-                    "metadata": {
-                        "shape": shape,
-                        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1, *spec.shard_shape]}},
-                        "data_type": spec.dtype,
-                    },
-                },
+                {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)}, "metadata": meta},
                 create=fresh,
                 delete_existing=fresh,
                 open=not fresh,
@@ -211,7 +236,11 @@ class NvmeTier:
                 value = f.result()
                 cf.set_result(value if result is None else result)
             except Exception as e:  # noqa: BLE001 - re-raised through the future
-                cf.set_exception(self._error(e, what, key, index))
+                err = self._error(e, what, key, index)
+                if what == "writing":  # recorded before the future (and its discard) completes
+                    with self._lock:
+                        self._failed.append(err)
+                cf.set_exception(err)
 
         with self._lock:
             self._futures.add(cf)
@@ -241,13 +270,21 @@ class NvmeTier:
                 slot = 1 - self._slot.get(key, 1)
                 self._pending_slot[key] = slot
             self._written.setdefault(key, set()).add(index)
-        h = self._array(key, slot, fresh=fresh and (key, slot) not in self._handles)
+        try:
+            h = self._array(key, slot, fresh=fresh and (key, slot) not in self._handles)
+        except TierError as err:
+            with self._lock:
+                self._failed.append(err)
+            raise
         self.budget.acquire(arr.nbytes)
         try:
             wf = h[index].write(arr)
         except Exception as e:
             self.budget.release(arr.nbytes)
-            raise self._error(e, "writing", key, index) from e
+            err = self._error(e, "writing", key, index)
+            with self._lock:
+                self._failed.append(err)
+            raise err from e
         fut = self._track(wf.commit, arr.nbytes, "writing", key, index)
         with self._lock:
             self._inflight[(key, index)] = fut
@@ -284,6 +321,8 @@ class NvmeTier:
         with self._lock:
             futs = list(self._futures)
         errors = [f.exception() for f in futs if f.exception() is not None]
+        with self._lock:
+            errors += self._failed  # writes that failed (and left _futures) before this wait
         if errors:
             raise errors[0]
 
@@ -339,11 +378,24 @@ class NvmeTier:
         self._inflight.clear()
 
     def _abort(self) -> None:
-        """Drops the uncommitted generation (its slots are simply rewritten later)."""
+        """Drops the uncommitted generation and deletes its slots to free their space.
+
+        A pending slot is never the one the manifest names, so deleting it
+        cannot touch committed data; after a full disk this makes room again.
+        """
         with self._lock:
+            futs = list(self._futures)
+        for f in futs:
+            f.exception()  # let in-flight operations finish before their files go
+        with self._lock:
+            dead = dict(self._pending_slot)
             self._pending_slot.clear()
             self._written.clear()
             self._inflight.clear()
+            self._failed.clear()
+        for key, slot in dead.items():
+            self._handles.pop((key, slot), None)
+            shutil.rmtree(self.dir / "data" / _safe(key) / f"s{slot}", ignore_errors=True)
 
     def metadata(self) -> dict[str, Any]:
         return dict(self._meta)

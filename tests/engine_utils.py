@@ -1,0 +1,52 @@
+"""Builds a StreamedModel over a chosen param tier, and reads its gradients back."""
+from __future__ import annotations
+
+import numpy as np
+
+from zinf_jax.engine.adapters import LinenAdapter, NnxAdapter
+from zinf_jax.engine.init import init_unit_by_unit
+from zinf_jax.engine.store import ParamStore
+from zinf_jax.engine.streamed import StreamedModel
+from zinf_jax.sharding import from_stored, local_shard_devices, make_mesh, plan_partition
+from zinf_jax.tiers import CpuTier, DeviceTier, NvmeTier
+from zinf_jax.units import UnitPolicy
+
+
+def open_param_tier(kind, mesh, path=None):
+    loc = local_shard_devices(mesh)
+    place = lambda i: loc[i][0]  # noqa: E731
+    if kind == "device":
+        return DeviceTier(placement=place)
+    if kind == "cpu":
+        return CpuTier(placement=place)
+    return NvmeTier(path)
+
+
+def build(adapter, tier_kind, *, threshold, path=None, depth=2, mesh=None, **kw):
+    mesh = mesh or make_mesh()
+    lays = plan_partition(adapter.abstract_params, mesh, threshold)
+    store = ParamStore(open_param_tier(tier_kind, mesh, path), lays, mesh, "float32")
+    init_unit_by_unit(adapter, store)
+    return StreamedModel(adapter, store, prefetch_depth=depth, **kw)
+
+
+def nnx_adapter(ctor, threshold, policy=None):
+    return NnxAdapter(ctor, policy or UnitPolicy(), threshold)
+
+
+def linen_adapter(module, x, threshold, policy=None, seed=0):
+    return LinenAdapter(module, (x,), {}, policy or UnitPolicy(), threshold, seed)
+
+
+def streamed_grads(sm, g_glue):
+    """Full float32 gradient of every parameter, by path."""
+    out = {}
+    glue = sm.adapter.glue_paths
+    for path, lay in sm.store.layouts.items():
+        if path in glue:
+            out[path] = np.asarray(g_glue[glue.index(path)])
+            continue
+        shards = [sm.sink.get(path, i) for i in sm.store.local_indices(path)]
+        full = shards[0] if lay.dim is None else np.concatenate(shards, axis=lay.dim)
+        out[path] = np.asarray(from_stored(lay, full))
+    return out

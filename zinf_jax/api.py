@@ -1,0 +1,268 @@
+"""The public training API: :func:`initialize` and :class:`Engine`.
+
+``initialize`` plans the partition, opens the param and optimizer tiers,
+creates the parameters unit by unit (or reopens stored ones), and returns an
+:class:`Engine` whose ``train_step`` runs the streamed forward/backward and the
+streamed CPU Adam step, then publishes the new step atomically.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from zinf_jax.config import ZeroConfig
+from zinf_jax.engine.adapters import LinenAdapter, NnxAdapter
+from zinf_jax.engine.init import init_unit_by_unit
+from zinf_jax.engine.store import ParamStore
+from zinf_jax.engine.streamed import StreamedModel
+from zinf_jax.optim import AdamSpec, StreamedAdam, adam, adamw
+from zinf_jax.sharding import ParamLayout, batch_spec, from_stored, make_mesh, plan_partition, split_local
+from zinf_jax.tiers import open_tier
+from zinf_jax.units import UnitPolicy
+
+__all__ = ["initialize", "Engine"]
+
+
+def _opt_from_config(config: ZeroConfig) -> AdamSpec:
+    o = config.optimizer
+    if o is None:
+        return adamw(1e-3, clip_norm=config.gradient_clipping or None)
+    make = adamw if o.name == "adamw" else adam
+    kw = {"weight_decay": o.weight_decay} if o.name == "adamw" else {}
+    return make(o.lr, o.b1, o.b2, o.eps, clip_norm=config.gradient_clipping or None, **kw)
+
+
+def _allreduce(x: float) -> float:
+    if jax.process_count() == 1:
+        return x
+    from jax.experimental import multihost_utils
+
+    return float(np.sum(multihost_utils.process_allgather(np.float64(x))))
+
+
+class Engine:
+    """A model trained with ZeRO-3 partitioning and tiered offload.
+
+    Build it with :func:`initialize` or :func:`zinf_jax.restore`; do not call
+    the constructor directly.
+    """
+
+    def __init__(self, *, adapter: Any, config: ZeroConfig, mesh: Mesh, optimizer: AdamSpec, loss_fn: Callable,
+                 has_aux: bool, fresh: bool, track_live_arrays: bool = False):
+        self.adapter, self.config, self.mesh, self.loss_fn, self.has_aux = adapter, config, mesh, loss_fn, has_aux
+        self.optimizer_spec = optimizer
+        self.compute_dtype = config.resolved_compute_dtype(jax.devices()[0].platform)
+        self.layouts: dict[str, ParamLayout] = plan_partition(adapter.abstract_params, mesh, config.persistence_threshold)
+        placement = self._placement()
+        po, oo = config.offload_param, config.offload_optimizer
+        self.param_tier = open_tier(po.device, path=po.path, subdir="params", placement=placement,
+                                    max_in_flight_bytes=config.max_in_flight_bytes, direct_io=po.direct_io)
+        self.opt_tier = open_tier("cpu" if oo.device == "none" else oo.device, path=oo.path, subdir="optimizer",
+                                  host_memory="numpy", max_in_flight_bytes=config.max_in_flight_bytes,
+                                  direct_io=oo.direct_io)
+        self.store = ParamStore(self.param_tier, self.layouts, mesh, self.compute_dtype)
+        ls = config.loss_scale if (self.compute_dtype == "float16" or config.loss_scale.enabled) else None
+        self.optimizer = StreamedAdam(
+            optimizer, self.opt_tier, self.layouts, local_indices=self.store.local_indices, owner=self._owner,
+            sub_group_size=config.sub_group_size, buffer_count=oo.buffer_count, loss_scale=ls, allreduce=_allreduce,
+        )
+        self.optimizer.declare()
+        if fresh:
+            def to_optimizer(path: str, arr: jax.Array) -> None:
+                for idx, shard in split_local(self.layouts[path], mesh, arr).items():
+                    self.optimizer.init_shard(path, idx, np.asarray(shard, np.float32))
+
+            init_unit_by_unit(adapter, self.store, on_param=to_optimizer, metadata={"step": 0})
+            self.optimizer.commit({"step": 0})
+        else:
+            self.optimizer.restore_state()
+            self._sync_params_with_master()
+        self.streamed = StreamedModel(
+            adapter, self.store, prefetch_depth=config.prefetch_depth, max_live_bytes=config.max_live_bytes,
+            offload_activations=config.offload_activations, track_live_arrays=track_live_arrays,
+        )
+        self.user_state: dict[str, Any] = {}
+
+    # --- placement ----------------------------------------------------------------
+    def _placement(self) -> Callable[[int], jax.Device]:
+        from zinf_jax.sharding import local_shard_devices
+
+        local = local_shard_devices(self.mesh)
+        return lambda i: local.get(i, [jax.local_devices()[0]])[0]
+
+    def _owner(self, path: str, index: int) -> bool:
+        if self.layouts[path].dim is None:
+            return jax.process_index() == 0
+        holders = [d.process_index for d in self.mesh.devices.flat
+                   if self._shard_index(d) == index]
+        return min(holders) == jax.process_index()
+
+    def _shard_index(self, d: jax.Device) -> int:
+        from zinf_jax.sharding import shard_index_of
+
+        return shard_index_of(self.mesh, d)
+
+    def _sync_params_with_master(self) -> None:
+        """After a crash between the optimizer and param commits, rebuild params from the master."""
+        if self.param_tier.metadata().get("step") == self.optimizer.step_count:
+            return
+        for path in self.layouts:
+            for idx in self.store.local_indices(path):
+                self.store.put_local(path, idx, self.optimizer.read_master(path, idx))
+        self.store.commit({"step": self.optimizer.step_count})
+
+    # --- steps ---------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """Optimizer steps applied so far."""
+        return self.optimizer.step_count
+
+    def shard_batch(self, batch: Any) -> Any:
+        """Places a process-local batch on the mesh, split over the data-parallel axes."""
+        def put(x):
+            if isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) and x.sharding.mesh == self.mesh:
+                return x
+            x = np.asarray(x)
+            return jax.make_array_from_process_local_data(NamedSharding(self.mesh, batch_spec(self.mesh, x.ndim)), x)
+
+        return jax.tree.map(put, batch)
+
+    def train_step(self, batch: Any) -> dict[str, Any]:
+        """One streamed forward/backward and optimizer step.
+
+        Returns:
+          ``loss``, ``grad_norm``, ``skipped``, ``loss_scale``, ``lr``, ``step``,
+          ``step_time_s``, ``tokens_per_s`` (elements of the first batch leaf),
+          ``peak_device_bytes``, ``bytes_param_tier``, ``bytes_optimizer_tier``,
+          and ``aux`` when ``loss_fn`` returns one.
+        """
+        t0 = time.perf_counter()
+        batch = self.shard_batch(batch)
+        glue = self.store.fetch(self.adapter.glue_paths)
+        loss, aux, g_glue = self.streamed.forward_backward(
+            self.loss_fn, batch, glue, has_aux=self.has_aux, loss_scale=self.optimizer.loss_scale
+        )
+        for path, g in zip(self.adapter.glue_paths, g_glue):
+            self.streamed.sink.add_local(path, 0, np.asarray(g, np.float32))
+        dt = self.compute_dtype
+
+        def write_param(path: str, index: int, value: np.ndarray) -> Any:
+            return self.store.put_local(path, index, value)
+
+        m = self.optimizer.step(self.streamed.sink.get, write_param)
+        self.streamed.sink.clear()
+        meta = {"step": self.optimizer.step_count}
+        self.optimizer.commit(meta)
+        self.store.commit(meta)
+        elapsed = time.perf_counter() - t0
+        first = jax.tree.leaves(batch)[0]
+        out = {
+            "loss": float(loss),
+            **m,
+            "step_time_s": elapsed,
+            "tokens_per_s": math.prod(first.shape) / elapsed,
+            "peak_device_bytes": self.streamed.peak_device_bytes,
+            "bytes_param_tier": _tier_bytes(self.param_tier),
+            "bytes_optimizer_tier": _tier_bytes(self.opt_tier),
+            "compute_dtype": dt,
+        }
+        if self.has_aux:
+            out["aux"] = aux
+        return out
+
+    def eval_step(self, batch: Any) -> Any:
+        """Forward only, streamed: the loss (and aux if ``loss_fn`` returns one)."""
+        batch = self.shard_batch(batch)
+        glue = self.store.fetch(self.adapter.glue_paths)
+        loss, aux = self.streamed.forward(self.loss_fn, batch, glue, has_aux=self.has_aux)
+        return (loss, aux) if self.has_aux else loss
+
+    # --- reading back -----------------------------------------------------------------
+    def param_arrays(self) -> dict[str, np.ndarray]:
+        """float32 master values of every parameter as full host arrays, by path."""
+        out = {}
+        for path, lay in self.layouts.items():
+            shards = [self.optimizer.read_master(path, i) for i in self.store.local_indices(path)]
+            if len(shards) != lay.num_shards:
+                raise RuntimeError("params(): this process holds only some shards; use checkpoints to read all")
+            full = shards[0] if lay.dim is None else np.concatenate(shards, axis=lay.dim)
+            out[path] = np.asarray(from_stored(lay, full))
+        return out
+
+    def params(self) -> Any:
+        """float32 master values in the model's own structure (``nnx.State`` or Linen params dict)."""
+        return self.adapter.structure(self.param_arrays())
+
+    def save(self, directory: str | os.PathLike, *, user_state: Mapping[str, Any] | None = None) -> Path:
+        """Saves the whole training state with orbax (atomic). See :mod:`zinf_jax.checkpoint`."""
+        from zinf_jax.checkpoint import save
+
+        return save(self, directory, user_state=user_state)
+
+    def close(self) -> None:
+        """Finishes I/O and releases the tiers (and their directory locks)."""
+        self.streamed.prefetcher.close()
+        self.param_tier.close()
+        self.opt_tier.close()
+
+
+def _tier_bytes(tier: Any) -> int:
+    f = getattr(tier, "stored_bytes", None)
+    return int(f()) if f else 0
+
+
+def initialize(
+    model: Callable[[], Any] | nn.Module,
+    *,
+    config: ZeroConfig | None = None,
+    mesh: Mesh | None = None,
+    optimizer: AdamSpec | None = None,
+    loss_fn: Callable,
+    init_args: tuple = (),
+    init_kwargs: Mapping[str, Any] | None = None,
+    unit_policy: UnitPolicy | None = None,
+    has_aux: bool = False,
+    track_live_arrays: bool = False,
+) -> Engine:
+    """Builds a ZeRO-3/Infinity engine for a Flax model.
+
+    Args:
+      model: an NNX constructor (``lambda: GPT(cfg, rngs=nnx.Rngs(0))``; it is
+        traced abstractly, never materialised whole) or a Linen module.
+      config: tiers, prefetching, dtypes (default :class:`ZeroConfig`).
+      mesh: the mesh (default :func:`zinf_jax.make_mesh`: every device on ``fsdp``).
+      optimizer: :func:`zinf_jax.adamw` / :func:`zinf_jax.adam`; default from
+        ``config.optimizer`` (a DeepSpeed config), else AdamW(1e-3).
+      loss_fn: ``loss_fn(model, batch) -> loss`` (or ``(loss, aux)`` with
+        ``has_aux=True``); ``model`` is the wrapped NNX module, or for Linen a
+        callable ``model(*args, **kwargs)``.
+      init_args, init_kwargs: Linen only: arguments of ``module.init``.
+      unit_policy: which submodules are units (default: blocks, embedding, head).
+      has_aux: ``loss_fn`` returns ``(loss, aux)``.
+      track_live_arrays: record ``jax.live_arrays()`` peaks (tests, benchmarks).
+
+    Raises:
+      ConfigError, TierError, UnitPolicyError, ParamMismatchError: with a message
+        naming the problem and the fix.
+    """
+    config = config or ZeroConfig()
+    mesh = mesh or make_mesh()
+    policy = unit_policy or UnitPolicy()
+    optimizer = optimizer or _opt_from_config(config)
+    if isinstance(model, nn.Module):
+        adapter = LinenAdapter(model, tuple(init_args), dict(init_kwargs or {}), policy,
+                               config.persistence_threshold, config.seed)
+    elif callable(model):
+        adapter = NnxAdapter(model, policy, config.persistence_threshold)
+    else:
+        raise TypeError(f"model must be an NNX constructor (a callable) or a Linen module, got {type(model).__name__}")
+    return Engine(adapter=adapter, config=config, mesh=mesh, optimizer=optimizer, loss_fn=loss_fn,
+                  has_aux=has_aux, fresh=True, track_live_arrays=track_live_arrays)

@@ -1,0 +1,392 @@
+"""The streaming driver of the CPU Adam: sub-groups of optimizer state through a tier.
+
+Float32 master weights and both Adam moments live in a storage tier (host RAM
+or NVMe), sharded exactly like the parameters. Every shard is cut into chunks
+of at most ``sub_group_size`` elements; one *sub-group* is one
+``(path, shard, chunk)`` triple across the three keys ``master/<path>``,
+``m/<path>`` and ``v/<path>``. Tier index of chunk ``c`` of shard ``i`` is
+``i * n_chunks + c``; the last chunk is zero-padded (Adam keeps zero padding
+with zero gradients at exactly zero, and only the valid part is ever updated).
+
+:meth:`StreamedAdam.step` makes one reduction pass over the gradient (global
+norm, non-finite check), then streams the sub-groups through a pool of at most
+``buffer_count`` buffer sets: reads run ahead into free buffers while the
+current sub-group is updated and earlier ones are written back, so the disk is
+kept busy and the Adam kernel hides behind the I/O (DeepSpeed's pipelined
+NVMe optimizer: read(i+1) || Adam(i) || write(i-1)).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import time
+from concurrent.futures import Future
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from zinf_jax.optim.adam import AdamSpec, adam_update_shard
+from zinf_jax.optim.kernel import all_finite, sum_squares
+from zinf_jax.optim.scaling import LossScaler, grad_scale, init_loss_scale, update_loss_scale
+from zinf_jax.tiers.base import ShardSpec, Tier
+
+__all__ = ["StreamedAdam", "STATES", "METADATA_KEY"]
+
+STATES = ("master", "m", "v")
+"""The three per-parameter keys in the tier, as ``f"{state}/{path}"``."""
+METADATA_KEY = "streamed_adam"
+"""Key of the optimizer's own counters in the tier metadata."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Group:
+    path: str
+    shard: int
+    chunk: int  # chunk index within the shard
+    start: int  # offset of the chunk in the flat shard
+    valid: int  # elements of real data (< chunk size only for a padded last chunk)
+    n_chunks: int
+
+    @property
+    def index(self) -> int:
+        return self.shard * self.n_chunks + self.chunk
+
+
+class _BufferSet:
+    """float32 buffers for one sub-group (master, m, v) and the futures still using them."""
+
+    def __init__(self, size: int):
+        self.arrays = tuple(np.empty(size, np.float32) for _ in STATES)
+        self.pending: list[Future] = []
+
+
+@dataclasses.dataclass
+class _Pipe:
+    """In-flight state of one step: sets being read ahead, the current one, sets being written."""
+
+    reads: collections.deque = dataclasses.field(default_factory=collections.deque)
+    writing: collections.deque = dataclasses.field(default_factory=collections.deque)
+    current: _BufferSet | None = None
+    nxt: int = 0  # next sub-group to read
+    t_write: float = 0.0  # seconds blocked on writes
+
+
+def _is_future(x: Any) -> bool:
+    return callable(getattr(x, "result", None)) and callable(getattr(x, "done", None))
+
+
+class StreamedAdam:
+    """Adam(W) over optimizer state kept in a tier, streamed sub-group by sub-group.
+
+    Args:
+      spec: hyper-parameters (:func:`~zinf_jax.optim.adamw` / :func:`~zinf_jax.optim.adam`).
+      tier: where master weights and moments live (``CpuTier(memory="numpy")`` or ``NvmeTier``).
+      layouts: parameter path to its :class:`~zinf_jax.sharding.ParamLayout`.
+      local_indices: shard indices of a parameter that this process stores.
+      owner: whether shard ``(path, i)`` counts in the global norm (one owner per replica set).
+      sub_group_size: most elements of one sub-group (chunk of a shard).
+      buffer_count: most sub-groups held in RAM at once (at least 1).
+      loss_scale: float16 loss scaling (dynamic or static); ``None`` or disabled: scale 1.
+      allreduce: sums a float across processes (identity in a single process).
+    """
+
+    def __init__(self, spec: AdamSpec, tier: Tier, layouts: Mapping[str, Any], *,
+                 local_indices: Callable[[str], list[int]],
+                 owner: Callable[[str, int], bool] = lambda p, i: True,
+                 sub_group_size: int, buffer_count: int = 4,
+                 loss_scale: Any | None = None,
+                 allreduce: Callable[[float], float] = lambda x: x):
+        if sub_group_size < 1 or buffer_count < 1:
+            raise ValueError(f"need sub_group_size >= 1 and buffer_count >= 1, got {sub_group_size}, {buffer_count}")
+        self.spec, self.tier, self.layouts = spec, tier, dict(layouts)
+        self._owner, self._allreduce = owner, allreduce
+        self.buffer_count = int(buffer_count)
+        self._ls = {} if loss_scale is None else dataclasses.asdict(loss_scale)
+        self._ls.setdefault("enabled", False)
+        self._scaler: LossScaler = init_loss_scale(**self._ls)
+        self._count = 0
+        self._skipped = 0
+        self._numel: dict[str, int] = {}
+        self._chunk: dict[str, int] = {}
+        self._local: dict[str, list[int]] = {}
+        self._groups: list[_Group] = []
+        for path, lay in self.layouts.items():
+            numel = math.prod(lay.shard_shape)
+            chunk = min(numel, int(sub_group_size))
+            n = -(-numel // chunk)
+            self._numel[path], self._chunk[path] = numel, chunk
+            self._local[path] = sorted(int(i) for i in local_indices(path))
+            for i in self._local[path]:
+                for c in range(n):
+                    self._groups.append(_Group(path, i, c, c * chunk, min(chunk, numel - c * chunk), n))
+        self._max_chunk = max(self._chunk.values(), default=1)
+        self._sets: list[_BufferSet] = []  # the pool, kept across steps (fresh buffers cost page faults)
+        self._free: collections.deque[_BufferSet] = collections.deque()
+        self._live = 0
+        self.peak_live_buffers = 0
+        """Most sub-group buffer sets in use at once since construction."""
+        self._scratch: np.ndarray | None = None  # grad conversion (non-float32 grads)
+        self._zeros: np.ndarray | None = None  # zero grad, zero moments (read only)
+        self._assembly: np.ndarray | None = None  # a multi-chunk shard handed to write_param
+        self._assembly_pending: list[Future] = []
+        self.last_stats: dict[str, float] = {}
+        """Timing of the last :meth:`step`: seconds in the norm pass, waiting on reads and
+        writes, in the Adam kernel, in ``write_param``, and in total."""
+
+    # --- layout -------------------------------------------------------------
+    def _n_chunks(self, path: str) -> int:
+        return -(-self._numel[path] // self._chunk[path])
+
+    def declare(self) -> None:
+        """Declares ``master/<path>``, ``m/<path>`` and ``v/<path>`` in the tier (once, before init or restore)."""
+        for path, lay in self.layouts.items():
+            n = self._n_chunks(path)
+            spec = ShardSpec(shard_shape=(self._chunk[path],), dtype="float32", num_shards=lay.num_shards * n)
+            local = [i * n + c for i in self._local[path] for c in range(n)]
+            for s in STATES:
+                self.tier.declare(f"{s}/{path}", spec, local)
+
+    def _zero_buffer(self) -> np.ndarray:
+        if self._zeros is None:
+            self._zeros = np.zeros(self._max_chunk, np.float32)  # calloc: untouched pages cost no RAM
+            self._zeros.flags.writeable = False
+        return self._zeros
+
+    def init_shard(self, path: str, index: int, master: np.ndarray) -> None:
+        """Writes one shard's initial state: ``master`` and zero moments, chunk by chunk.
+
+        Args:
+          path: the parameter path.
+          index: the shard index (one of ``local_indices(path)``).
+          master: the float32 stored-form shard (``layout.shard_shape``); other
+            float dtypes are converted one chunk at a time.
+
+        Raises:
+          ValueError: ``master`` has the wrong number of elements.
+        """
+        flat = np.asarray(master).reshape(-1)
+        numel, chunk, n = self._numel[path], self._chunk[path], self._n_chunks(path)
+        if flat.shape[0] != numel:
+            raise ValueError(f"master shard of {path!r} has {flat.shape[0]} elements, layout says {numel}")
+        zeros = self._zero_buffer()[:chunk]
+        futs: list[Future] = []
+        for c in range(n):
+            part = np.ascontiguousarray(flat[c * chunk:(c + 1) * chunk], dtype=np.float32)
+            if part.shape[0] < chunk:
+                part = np.concatenate([part, zeros[part.shape[0]:]])
+            futs.append(self.tier.put(f"master/{path}", index * n + c, part))
+            futs += [self.tier.put(f"{s}/{path}", index * n + c, zeros) for s in ("m", "v")]
+            if len(futs) >= 3 * self.buffer_count:  # bound the caller-visible memory in flight
+                futs.pop(0).result()
+        for f in futs:
+            f.result()
+
+    def read_master(self, path: str, index: int) -> np.ndarray:
+        """The float32 master shard (stored form, ``layout.shard_shape``) as currently stored."""
+        numel, chunk, n = self._numel[path], self._chunk[path], self._n_chunks(path)
+        out = np.empty(n * chunk, np.float32)
+        futs = [self.tier.get(f"master/{path}", index * n + c, out=out[c * chunk:(c + 1) * chunk]) for c in range(n)]
+        for f in futs:
+            f.result()
+        return out[:numel].reshape(self.layouts[path].shard_shape)
+
+    # --- state --------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        """The loss scale to multiply the next loss by (1 without loss scaling)."""
+        return float(self._scaler.scale)
+
+    @property
+    def step_count(self) -> int:
+        """Applied (not skipped) steps so far: optax's ``count``."""
+        return self._count
+
+    @property
+    def skipped(self) -> int:
+        """Steps skipped for a non-finite gradient so far."""
+        return self._skipped
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's own counters as JSON-ready data (what :meth:`commit` stores)."""
+        return {"count": self._count, "skipped": self._skipped, "loss_scaler": list(self._scaler)}
+
+    def commit(self, metadata: dict | None = None) -> None:
+        """Commits the tier, its metadata extended by the optimizer's counters.
+
+        Args:
+          metadata: the caller's metadata; ``None`` keeps what the tier holds.
+        """
+        meta = dict(self.tier.metadata() if metadata is None else metadata)
+        meta[METADATA_KEY] = self.state_dict()
+        self.tier.commit(meta)
+
+    def restore_state(self) -> None:
+        """Reads the step count, skip count and loss scaler back from ``tier.metadata()`` (no-op if absent)."""
+        st = self.tier.metadata().get(METADATA_KEY)
+        if st is None:
+            return
+        self._count, self._skipped = int(st["count"]), int(st["skipped"])
+        s, h, k, last = st["loss_scaler"]
+        self._scaler = LossScaler(float(s), int(h), int(k), int(last))
+
+    # --- the step -------------------------------------------------------------
+    def _as_f32(self, g: np.ndarray, start: int, stop: int) -> np.ndarray:
+        part = g[start:stop]
+        if part.dtype == np.float32 and part.flags.c_contiguous:
+            return part
+        if self._scratch is None:
+            self._scratch = np.empty(self._max_chunk, np.float32)
+        out = self._scratch[:stop - start]
+        np.copyto(out, part, casting="unsafe")
+        return out
+
+    def _norm_sq(self, grad: Callable[[str, int], np.ndarray | None]) -> float:
+        sums: list[float] = []
+        for path in self.layouts:
+            numel, chunk = self._numel[path], self._chunk[path]
+            for i in self._local[path]:
+                g = grad(path, i)
+                if g is None:
+                    continue
+                g = np.asarray(g).reshape(-1)
+                own = self._owner(path, i)
+                for s in range(0, numel, chunk):  # per chunk: the sum is the same for any grad dtype
+                    part = self._as_f32(g, s, min(s + chunk, numel))
+                    if own:
+                        sums.append(sum_squares(part))
+                    elif not all_finite(part):
+                        sums.append(math.inf)  # a NaN in a replica makes every process skip
+        return self._allreduce(math.fsum(sums))
+
+    def _take(self) -> _BufferSet:
+        if not self._free and len(self._sets) < self.buffer_count:
+            self._sets.append(_BufferSet(self._max_chunk))
+            self._free.append(self._sets[-1])
+        bs = self._free.popleft()
+        self._live += 1
+        self.peak_live_buffers = max(self.peak_live_buffers, self._live)
+        return bs
+
+    def _release(self, bs: _BufferSet, *, quiet: bool = False) -> None:
+        for f in bs.pending:
+            try:
+                f.result()
+            except Exception:  # noqa: BLE001
+                if not quiet:  # unwinding after an error: only wait, the first error is raised already
+                    raise
+        bs.pending = []
+        self._live -= 1
+        self._free.append(bs)
+
+    def _fill(self, pipe: _Pipe, j: int) -> None:
+        """Reclaims finished writes, then reads ahead into free buffers (sub-group ``j`` at least)."""
+        while pipe.writing and all(f.done() for f in pipe.writing[0].pending):
+            self._release(pipe.writing.popleft())
+        while pipe.nxt < len(self._groups) and (pipe.nxt == j or self._free or len(self._sets) < self.buffer_count):
+            if not self._free and len(self._sets) >= self.buffer_count:
+                t = time.perf_counter()
+                self._release(pipe.writing.popleft())  # a buffer must come free for sub-group j
+                pipe.t_write += time.perf_counter() - t
+            bs, gr = self._take(), self._groups[pipe.nxt]
+            size = self._chunk[gr.path]
+            bs.pending = [self.tier.get(f"{s}/{gr.path}", gr.index, out=a[:size]) for s, a in zip(STATES, bs.arrays)]
+            pipe.reads.append(bs)
+            pipe.nxt += 1
+
+    def step(self, grad: Callable[[str, int], np.ndarray | None],
+             write_param: Callable[[str, int, np.ndarray], Any]) -> dict:
+        """One optimizer step over every local shard.
+
+        The first sub-groups are read while the norm pass runs; a skipped step
+        only discards them.
+
+        Args:
+          grad: ``grad(path, i)``: the gradient shard in stored form (any float
+            dtype, multiplied by :attr:`loss_scale` when loss scaling is on), or
+            ``None`` for a zero gradient. Called twice per shard (norm pass,
+            update pass); it should return a buffer, not recompute.
+          write_param: ``write_param(path, i, master)`` receives each updated
+            float32 master shard once all its chunks are done. The array is
+            the driver's buffer: copy it before returning, or return a future
+            (the buffer is not reused before it resolves).
+
+        Returns:
+          ``{"grad_norm", "skipped", "loss_scale", "step", "lr"}``: the unscaled
+          global norm before clipping, whether the step was skipped (non-finite
+          gradient: state and parameters untouched), the loss scale for the next
+          step, the applied-step count after this step and this step's learning rate.
+        """
+        t0 = time.perf_counter()
+        pipe = _Pipe()
+        try:
+            self._fill(pipe, 0)
+            gs = grad_scale(self._norm_sq(grad), loss_scale=self._scaler.scale, clip_norm=self.spec.clip_norm)
+            stats = {"norm_s": time.perf_counter() - t0}
+            lr = float(self.spec.lr_at(self._count))
+            if gs.finite:
+                stats.update(self._stream(pipe, grad, write_param, step=self._count + 1, lr=lr, mult=gs.multiplier))
+                self._count += 1
+            self._scaler = update_loss_scale(self._scaler, not gs.finite, **self._ls)
+            self._skipped += not gs.finite
+        finally:  # on an error (or a skip), let in-flight I/O finish before buffers are reused
+            for bs in [*pipe.reads, *pipe.writing, *([pipe.current] if pipe.current else [])]:
+                self._release(bs, quiet=True)
+        self.last_stats = {**stats, "total_s": time.perf_counter() - t0}
+        return {"grad_norm": gs.norm, "skipped": not gs.finite, "loss_scale": self.loss_scale,
+                "step": self._count, "lr": lr}
+
+    def _stream(self, pipe: _Pipe, grad, write_param, *, step: int, lr: float, mult: np.float32) -> dict:
+        t_read = t_adam = t_param = 0.0
+        cur_key, cur_grad, wd, sp = None, None, 0.0, self.spec
+        for j, gr in enumerate(self._groups):
+            self._fill(pipe, j)
+            bs = pipe.current = pipe.reads.popleft()
+            t = time.perf_counter()
+            for f in bs.pending:
+                f.result()
+            bs.pending = []
+            t_read += time.perf_counter() - t
+            if (gr.path, gr.shard) != cur_key:
+                cur_key, g = (gr.path, gr.shard), grad(gr.path, gr.shard)
+                cur_grad = None if g is None else np.asarray(g).reshape(-1)
+                wd = sp.decay_for(gr.path, self.layouts[gr.path].shape)
+            t = time.perf_counter()
+            sl = slice(gr.start, gr.start + gr.valid)
+            g_part = self._zero_buffer()[:gr.valid] if cur_grad is None else self._as_f32(cur_grad, sl.start, sl.stop)
+            p, m, v = (a[:gr.valid] for a in bs.arrays)  # a padded tail stays zero: never touched
+            adam_update_shard(p, m, v, g_part, step=step, lr=lr, b1=sp.b1, b2=sp.b2, eps=sp.eps,
+                              weight_decay=wd, eps_root=sp.eps_root, grad_scale=mult)
+            t_adam += time.perf_counter() - t
+            size = self._chunk[gr.path]
+            bs.pending = [self.tier.put(f"{s}/{gr.path}", gr.index, a[:size]) for s, a in zip(STATES, bs.arrays)]
+
+            t = time.perf_counter()
+            shape, numel = self.layouts[gr.path].shard_shape, self._numel[gr.path]
+            if gr.n_chunks == 1:
+                out = write_param(gr.path, gr.shard, p.reshape(shape))
+                bs.pending += [out] if _is_future(out) else []
+            else:
+                if gr.chunk == 0:
+                    for f in self._assembly_pending:
+                        f.result()
+                    self._assembly_pending = []
+                    if self._assembly is None:
+                        self._assembly = np.empty(max(self._numel[q] for q in self.layouts
+                                                      if self._n_chunks(q) > 1), np.float32)
+                self._assembly[sl] = p
+                if gr.chunk == gr.n_chunks - 1:
+                    out = write_param(gr.path, gr.shard, self._assembly[:numel].reshape(shape))
+                    self._assembly_pending += [out] if _is_future(out) else []
+            t_param += time.perf_counter() - t
+            pipe.writing.append(bs)
+            pipe.current = None
+        t = time.perf_counter()
+        while pipe.writing:
+            self._release(pipe.writing.popleft())
+        for f in self._assembly_pending:
+            f.result()
+        self._assembly_pending = []
+        pipe.t_write += time.perf_counter() - t
+        return {"read_wait_s": t_read, "write_wait_s": pipe.t_write, "adam_s": t_adam,
+                "write_param_s": t_param, "sub_groups": len(self._groups)}
