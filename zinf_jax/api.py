@@ -28,7 +28,7 @@ from zinf_jax.sharding import ParamLayout, batch_spec, from_stored, make_mesh, p
 from zinf_jax.tiers import open_tier
 from zinf_jax.units import UnitPolicy
 
-__all__ = ["initialize", "Engine"]
+__all__ = ["initialize", "restore", "Engine"]
 
 
 def _opt_from_config(config: ZeroConfig) -> AdamSpec:
@@ -56,7 +56,7 @@ class Engine:
     """
 
     def __init__(self, *, adapter: Any, config: ZeroConfig, mesh: Mesh, optimizer: AdamSpec, loss_fn: Callable,
-                 has_aux: bool, fresh: bool, track_live_arrays: bool = False):
+                 has_aux: bool, init: str = "fresh", track_live_arrays: bool = False):
         self.adapter, self.config, self.mesh, self.loss_fn, self.has_aux = adapter, config, mesh, loss_fn, has_aux
         self.optimizer_spec = optimizer
         self.compute_dtype = config.resolved_compute_dtype(jax.devices()[0].platform)
@@ -75,14 +75,14 @@ class Engine:
             sub_group_size=config.sub_group_size, buffer_count=oo.buffer_count, loss_scale=ls, allreduce=_allreduce,
         )
         self.optimizer.declare()
-        if fresh:
+        if init == "fresh":
             def to_optimizer(path: str, arr: jax.Array) -> None:
                 for idx, shard in split_local(self.layouts[path], mesh, arr).items():
                     self.optimizer.init_shard(path, idx, np.asarray(shard, np.float32))
 
             init_unit_by_unit(adapter, self.store, on_param=to_optimizer, metadata={"step": 0})
             self.optimizer.commit({"step": 0})
-        else:
+        elif init == "reopen":
             self.optimizer.restore_state()
             self._sync_params_with_master()
         self.streamed = StreamedModel(
@@ -155,7 +155,7 @@ class Engine:
         dt = self.compute_dtype
 
         def write_param(path: str, index: int, value: np.ndarray) -> Any:
-            return self.store.put_local(path, index, value)
+            return self.store.put_local(path, index, np.array(value, copy=True))
 
         m = self.optimizer.step(self.streamed.sink.get, write_param)
         self.streamed.sink.clear()
@@ -253,6 +253,14 @@ def initialize(
       ConfigError, TierError, UnitPolicyError, ParamMismatchError: with a message
         naming the problem and the fix.
     """
+    return _build(model, config=config, mesh=mesh, optimizer=optimizer, loss_fn=loss_fn, init_args=init_args,
+                  init_kwargs=init_kwargs, unit_policy=unit_policy, has_aux=has_aux,
+                  track_live_arrays=track_live_arrays, init="fresh")
+
+
+def _build(model: Any, *, config: ZeroConfig | None, mesh: Mesh | None, optimizer: AdamSpec | None,
+           loss_fn: Callable, init_args: tuple, init_kwargs: Mapping[str, Any] | None,
+           unit_policy: UnitPolicy | None, has_aux: bool, track_live_arrays: bool, init: str) -> Engine:
     config = config or ZeroConfig()
     mesh = mesh or make_mesh()
     policy = unit_policy or UnitPolicy()
@@ -265,4 +273,32 @@ def initialize(
     else:
         raise TypeError(f"model must be an NNX constructor (a callable) or a Linen module, got {type(model).__name__}")
     return Engine(adapter=adapter, config=config, mesh=mesh, optimizer=optimizer, loss_fn=loss_fn,
-                  has_aux=has_aux, fresh=True, track_live_arrays=track_live_arrays)
+                  has_aux=has_aux, init=init, track_live_arrays=track_live_arrays)
+
+
+def restore(
+    directory: str | os.PathLike,
+    model: Callable[[], Any] | nn.Module,
+    **kwargs: Any,
+) -> Engine:
+    """Rebuilds an engine from the newest checkpoint under ``directory``.
+
+    Takes the same keyword arguments as :func:`initialize`; the mesh size and the
+    tiers may differ from the run that saved it (8 devices -> 4, nvme -> cpu).
+    The checkpoint's user state is in ``engine.user_state``.
+
+    Raises:
+      CheckpointError: no checkpoint there, or one of another model.
+    """
+    from zinf_jax.checkpoint import latest_step_dir, restore_into
+
+    step_dir = latest_step_dir(directory)
+    kw = {"config": None, "mesh": None, "optimizer": None, "init_args": (), "init_kwargs": None,
+          "unit_policy": None, "has_aux": False, "track_live_arrays": False, **kwargs}
+    engine = _build(model, init="none", **kw)
+    try:
+        restore_into(engine, step_dir)
+    except BaseException:
+        engine.close()
+        raise
+    return engine
