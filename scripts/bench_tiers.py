@@ -1,0 +1,322 @@
+"""Bandwidth of the NVMe tier against the raw disk, measured side by side.
+
+For each shard size the script measures, on the same directory and with a cold
+page cache:
+
+* raw write: ``O_DIRECT`` writes of fresh files from page-aligned (mmap) buffers,
+  then ``fsync``; with 1 stream and with ``--threads`` streams;
+* raw read: ``O_DIRECT`` reads into page-aligned buffers (1 and ``--threads`` streams);
+* tier write: ``NvmeTier.put`` of ``--keys`` keys x N shards, all in flight, then
+  ``commit`` (fsync on, the crash-safe setting);
+* tier cold read: ``NvmeTier.get(..., out=preallocated)`` of every shard, all in
+  flight, after ``posix_fadvise(DONTNEED)`` over every file under the tier dir
+  (``buffered``), or with the tier opened with ``direct_io=True`` (``direct``);
+  ``legacy`` is ``buffered`` with the first version's settings (chunk = one
+  shard, tensorstore's default I/O concurrency), for before/after comparisons.
+
+Raw and tier runs alternate rep by rep, because a shared disk drifts. It records
+per-rep GB/s, medians, and the ratio tier/raw as the median over reps of
+tier / raw of the same rep (raw = the faster of 1 and N streams) in a JSON file. The target is ratio >= 0.8 for
+shards of 64 MiB and more.
+
+Usage::
+
+    python scripts/bench_tiers.py [--sizes 4,16,64,256] [--total 1GiB] [--reps 3]
+        [--dir DIR] [--out results/bench_tiers.json] [--modes buffered,direct]
+        [--chunk-mib 16] [--io-concurrency 32]    # tier options (0 MiB: chunk = shard)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+MiB = 1 << 20
+GB = 1e9
+BLOCK = 8 * MiB  # raw I/O request size
+
+
+def _parse_bytes(s: str) -> int:
+    s = s.strip().lower()
+    for suffix, mult in (("gib", 1 << 30), ("mib", MiB), ("kib", 1 << 10), ("g", 1 << 30), ("m", MiB)):
+        if s.endswith(suffix):
+            return int(float(s[: -len(suffix)]) * mult)
+    return int(float(s))
+
+
+def _fstype(path: Path) -> str:
+    """File system type of the mount holding ``path`` (from /proc/mounts)."""
+    best, kind = "", "?"
+    real = os.path.realpath(path)
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                _, mnt, fs, *_ = line.split()
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(best):
+                    best, kind = mnt, fs
+    except OSError:
+        pass
+    return kind
+
+
+def _aligned(nbytes: int) -> mmap.mmap:
+    """A page-aligned, pre-faulted anonymous buffer (usable for O_DIRECT)."""
+    m = mmap.mmap(-1, nbytes)
+    np.frombuffer(m, np.uint8)[:] = 1
+    return m
+
+
+def drop_cache(root: Path) -> int:
+    """fsync + posix_fadvise(DONTNEED) every file under ``root``; returns the file count."""
+    n = 0
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            try:
+                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                n += 1
+            finally:
+                os.close(fd)
+    return n
+
+
+# ------------------------------------------------------------------ raw disk
+
+
+def raw_write(d: Path, size: int, nfiles: int, threads: int, bufs: list[mmap.mmap]) -> float:
+    """Writes ``nfiles`` fresh files of ``size`` bytes with O_DIRECT + fsync; GB/s."""
+    for i in range(nfiles):
+        (d / f"raw_{i}").unlink(missing_ok=True)
+    os.sync()
+
+    def one(i: int) -> None:
+        mv = memoryview(bufs[i % len(bufs)])
+        fd = os.open(d / f"raw_{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        try:
+            off = 0
+            while off < size:
+                n = min(BLOCK, size - off)
+                off += os.pwrite(fd, mv[off : off + n], off)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as ex:
+        list(ex.map(one, range(nfiles)))
+    return size * nfiles / (time.perf_counter() - t0) / GB
+
+
+def raw_read(d: Path, size: int, nfiles: int, threads: int, bufs: list[mmap.mmap]) -> float:
+    """Reads the files back with O_DIRECT into aligned buffers; GB/s."""
+    drop_cache(d)
+    local = threading.local()
+    free = list(bufs)
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        if not hasattr(local, "mv"):
+            with lock:
+                local.mv = memoryview(free.pop())
+        fd = os.open(d / f"raw_{i}", os.O_RDONLY | os.O_DIRECT)
+        try:
+            off = 0
+            while off < size:
+                n = min(BLOCK, size - off)
+                got = os.preadv(fd, [local.mv[off : off + n]], off)
+                if got <= 0:
+                    raise OSError(f"short read of raw_{i} at {off}")
+                off += got
+        finally:
+            os.close(fd)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as ex:
+        list(ex.map(one, range(nfiles)))
+    return size * nfiles / (time.perf_counter() - t0) / GB
+
+
+# ------------------------------------------------------------------ the tier
+
+
+def tier_round(tier, keys: list[str], nshards: int, src: list[np.ndarray], outs, step: int) -> tuple[float, float]:
+    """One put+commit of every shard, then a cold read of every shard; (write, read) GB/s."""
+    nbytes = sum(a.nbytes for a in src) * nshards
+    t0 = time.perf_counter()
+    for k, key in enumerate(keys):
+        for i in range(nshards):
+            tier.put(key, i, src[k])
+    tier.commit({"step": step})
+    w = nbytes / (time.perf_counter() - t0) / GB
+    drop_cache(tier.dir)
+    t0 = time.perf_counter()
+    futs = [tier.get(key, i, out=outs[k][i]) for k, key in enumerate(keys) for i in range(nshards)]
+    for f in futs:
+        f.result()
+    r = nbytes / (time.perf_counter() - t0) / GB
+    return w, r
+
+
+def _check_roundtrip(tier, keys, nshards, src, outs) -> None:
+    for k in range(len(keys)):
+        for i in range(nshards):
+            if not np.array_equal(outs[k][i].view(np.uint8), src[k].view(np.uint8)):
+                raise AssertionError(f"tier read back wrong data for {keys[k]}[{i}]")
+
+
+# the tier as first written: chunk = one shard, tensorstore's default shared file-I/O pool
+_LEGACY = {"chunk_bytes": 1 << 62, "io_concurrency": None}
+
+
+def _stat(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "reps": xs}
+
+
+def bench_size(root: Path, size: int, total: int, reps: int, threads: int, nkeys: int, modes: list[str],
+               tier_opts: dict) -> dict:
+    """Measures one shard size; raw and tier runs are interleaved rep by rep (the disk drifts)."""
+    from zinf_jax.tiers import NvmeTier, ShardSpec
+
+    nfiles = max(1, total // size)
+    nshards = max(1, nfiles // nkeys)
+    res: dict = {"shard_mib": size // MiB, "bytes_per_rep": size * nshards * nkeys, "files_raw": nfiles,
+                 "keys": nkeys, "shards_per_key": nshards}
+    streams = sorted({1, threads})
+    raw_dir = root / "raw"
+    raw_dir.mkdir()
+    bufs = [_aligned(size) for _ in range(threads)]
+
+    rng = np.random.default_rng(0)
+    shape = (size // 4 // 1024, 1024)
+    src = [rng.random(shape, dtype=np.float32) for _ in range(nkeys)]
+    outs = [[np.ones(shape, np.float32) for _ in range(nshards)] for _ in range(nkeys)]  # pre-faulted
+    keys = [f"bench/key{k}" for k in range(nkeys)]
+    tiers = {}
+    for mode in modes:
+        (root / f"tier_{mode}").mkdir()
+        opts = dict(tier_opts, **_LEGACY) if mode == "legacy" else tier_opts
+        tiers[mode] = NvmeTier(root / f"tier_{mode}", process_index=0, direct_io=(mode == "direct"), **opts)
+        for key in keys:
+            tiers[mode].declare(key, ShardSpec(shard_shape=shape, dtype="float32", num_shards=nshards))
+
+    runs: dict[str, list[float]] = {}
+    for rep in range(reps):
+        for n in streams:
+            runs.setdefault(f"raw_write_{n}stream", []).append(raw_write(raw_dir, size, nfiles, n, bufs))
+            runs.setdefault(f"raw_read_{n}stream", []).append(raw_read(raw_dir, size, nfiles, n, bufs))
+        for mode, tier in tiers.items():
+            w, r = tier_round(tier, keys, nshards, src, outs, rep)
+            runs.setdefault(f"tier_{mode}_write", []).append(w)
+            runs.setdefault(f"tier_{mode}_read", []).append(r)
+        line = "  ".join(f"{k} {v[-1]:.2f}" for k, v in runs.items())
+        print(f"  rep {rep}: {line}", flush=True)
+    for mode, tier in tiers.items():
+        _check_roundtrip(tier, keys, nshards, src, outs)
+        tier.destroy()
+    shutil.rmtree(raw_dir)
+    for b in bufs:
+        b.close()
+
+    for op in ("write", "read"):
+        raw_rep = [max(runs[f"raw_{op}_{n}stream"][i] for n in streams) for i in range(reps)]
+        for n in streams:
+            res[f"raw_{op}_{n}stream_gbps"] = _stat(runs[f"raw_{op}_{n}stream"])
+        res[f"raw_{op}_gbps"] = _stat(raw_rep)
+        for mode in modes:
+            t = runs[f"tier_{mode}_{op}"]
+            res.setdefault(f"tier_{mode}", {})[f"{op}_gbps"] = _stat(t)
+            res[f"tier_{mode}"][f"{op}_ratio"] = statistics.median(a / b for a, b in zip(t, raw_rep))
+    summary = [f"raw write {res['raw_write_gbps']['median']:.3f} read {res['raw_read_gbps']['median']:.3f} GB/s"]
+    for mode in modes:
+        m = res[f"tier_{mode}"]
+        summary.append(f"tier {mode}: write {m['write_gbps']['median']:.3f} ({m['write_ratio']:.0%}) "
+                       f"read {m['read_gbps']['median']:.3f} ({m['read_ratio']:.0%})")
+    print("  => " + "; ".join(summary), flush=True)
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="4,16,64,256", help="shard sizes in MiB, comma-separated")
+    p.add_argument("--total", default="1GiB", help="bytes written and read per size and rep")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=4, help="raw I/O streams (compared with 1 stream)")
+    p.add_argument("--keys", type=int, default=4, help="tier keys (shards of all keys are in flight together)")
+    p.add_argument("--modes", default="buffered,direct",
+                   help="tier modes: buffered (cold via fadvise), direct (direct_io=True), "
+                        "legacy (buffered, chunk = shard, default concurrency: the tier before tuning)")
+    p.add_argument("--inflight", default="1GiB", help="tier max_in_flight_bytes")
+    p.add_argument("--chunk-mib", type=float, default=None, help="tier chunk_bytes in MiB (0: chunk = shard)")
+    p.add_argument("--io-concurrency", type=int, default=None, help="tier io_concurrency")
+    p.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir under cwd)")
+    p.add_argument("--out", default="results/bench_tiers.json")
+    a = p.parse_args(argv)
+
+    sizes = [int(s) * MiB for s in a.sizes.split(",")]
+    total = _parse_bytes(a.total)
+    base = Path(a.dir) if a.dir else Path.cwd()
+    base.mkdir(parents=True, exist_ok=True)
+    fstype = _fstype(base)
+    if fstype in ("tmpfs", "ramfs"):
+        print(f"warning: {base} is on {fstype}: this measures RAM, not a disk", file=sys.stderr)
+    tier_opts: dict = {"max_in_flight_bytes": _parse_bytes(a.inflight)}
+    if a.chunk_mib is not None:
+        tier_opts["chunk_bytes"] = int(a.chunk_mib * MiB) if a.chunk_mib > 0 else 1 << 62
+    if a.io_concurrency is not None:
+        tier_opts["io_concurrency"] = a.io_concurrency
+    need = int(total * (1.2 + 2.1 * len(a.modes.split(","))))  # raw files + both slots of every tier
+    free = shutil.disk_usage(base).free
+    if free < need:
+        print(f"error: {base} has {free / GB:.1f} GB free, need {need / GB:.1f} GB", file=sys.stderr)
+        return 2
+    root = Path(tempfile.mkdtemp(prefix=".bench_tiers.", dir=base))
+    print(f"measuring in {root} ({fstype}); {total / MiB:.0f} MiB per size, {a.reps} reps", flush=True)
+    results = []
+    try:
+        for size in sizes:
+            print(f"shard {size // MiB} MiB:", flush=True)
+            sub = root / f"s{size // MiB}"
+            sub.mkdir()
+            results.append(bench_size(sub, size, total, a.reps, a.threads, a.keys, a.modes.split(","), tier_opts))
+            shutil.rmtree(sub, ignore_errors=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    import tensorstore
+
+    doc = {
+        "what": "NvmeTier vs raw disk bandwidth, cold cache, medians over reps (GB/s = 1e9 B/s)",
+        "target": "tier/raw >= 0.8 for read and write at shard >= 64 MiB",
+        "config": {"sizes_mib": [s // MiB for s in sizes], "total_bytes": total, "reps": a.reps,
+                   "threads": a.threads, "keys": a.keys, "modes": a.modes.split(","),
+                   "tier_options": {k: v for k, v in tier_opts.items()}, "dir": str(base), "fstype": fstype},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
+                    "tensorstore": getattr(tensorstore, "__version__", "?"),
+                    "time": time.strftime("%Y-%m-%dT%H:%M:%S")},
+        "results": results,
+    }
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
