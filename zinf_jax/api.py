@@ -151,7 +151,7 @@ class Engine:
             self.loss_fn, batch, glue, has_aux=self.has_aux, loss_scale=self.optimizer.loss_scale
         )
         for path, g in zip(self.adapter.glue_paths, g_glue):
-            self.streamed.sink.add_local(path, 0, np.asarray(g, np.float32))
+            self.streamed.sink.add_local(path, 0, np.asarray(g.addressable_data(0), np.float32))  # replicated
         dt = self.compute_dtype
 
         def write_param(path: str, index: int, value: np.ndarray) -> Any:

@@ -1,0 +1,38 @@
+"""One process of a 2-process jax.distributed job on CPU (4 devices each): trains a few zinf steps.
+
+Usage: python mp_worker.py PROCESS_ID NUM_PROCESSES PORT WORKDIR STEPS
+Prints one JSON line: {"process": i, "losses": [...], "files": [...]}.
+"""
+import json
+import os
+import sys
+
+pid, nproc, port, workdir, steps = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
+os.environ["JAX_NUM_CPU_DEVICES"] = "4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax  # noqa: E402
+
+jax.distributed.initialize(f"localhost:{port}", num_processes=nproc, process_id=pid)
+
+from flax import nnx  # noqa: E402
+
+import zinf_jax as zinf  # noqa: E402
+from zinf_jax.models import GPT, GPTConfig, batch_at, corpus, lm_loss  # noqa: E402
+
+cfg = GPTConfig(vocab=256, d_model=32, n_heads=4, n_layers=2, seq=16)
+off = zinf.Offload("nvme", path=workdir)
+eng = zinf.initialize(lambda: GPT(cfg, rngs=nnx.Rngs(0)), loss_fn=lm_loss,
+                      config=zinf.ZeroConfig(offload_param=off, offload_optimizer=off, persistence_threshold=600),
+                      optimizer=zinf.adamw(3e-3, weight_decay=0.1, clip_norm=1.0))
+data = corpus()
+losses = []
+for s in range(steps):
+    full = batch_at(data, s, 8, cfg.seq)
+    local = full[pid * 4:(pid + 1) * 4]  # each process feeds its half of the global batch
+    losses.append(eng.train_step(local)["loss"])
+eng.close()
+files = sorted(os.path.relpath(os.path.join(r, f), workdir) for r, _, fs in os.walk(workdir) for f in fs
+               if f == "MANIFEST.json")
+print(json.dumps({"process": pid, "losses": losses, "manifests": files, "devices": jax.device_count(),
+                  "local": jax.local_device_count()}), flush=True)
+jax.distributed.shutdown()
