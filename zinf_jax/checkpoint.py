@@ -24,6 +24,7 @@ Reading without zinf_jax::
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import uuid
@@ -38,6 +39,7 @@ from flax import traverse_util
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from zinf_jax.engine.init import param_groups
+from zinf_jax.optim.driver import METADATA_KEY as OPTIMIZER_STATE_KEY
 from zinf_jax.sharding import ParamLayout, assemble, from_stored, split_local, to_stored
 
 __all__ = ["save", "restore_into", "latest_step_dir", "read_meta", "CheckpointError", "META"]
@@ -89,10 +91,34 @@ def _save_sharding(engine: Any, lay: ParamLayout) -> Any:
     return NamedSharding(engine.mesh, lay.spec)
 
 
+def _chunking(engine: Any, path: str, which: str) -> tuple[str, int, int, int]:
+    """Key, chunks per shard, chunk length and shard length of an optimizer state (the driver's layout)."""
+    lay = engine.layouts[path]
+    key = f"{which}/{path}"
+    spec = engine.opt_tier.spec(key)
+    return key, spec.num_shards // lay.num_shards, spec.shard_shape[0], math.prod(lay.shard_shape)
+
+
+def _read_state(engine: Any, path: str, index: int, which: str) -> np.ndarray:
+    key, n, chunk, numel = _chunking(engine, path, which)
+    out = np.empty(n * chunk, np.float32)
+    for f in [engine.opt_tier.get(key, index * n + c, out=out[c * chunk:(c + 1) * chunk]) for c in range(n)]:
+        f.result()
+    return out[:numel].reshape(engine.layouts[path].shard_shape)
+
+
+def _write_state(engine: Any, path: str, index: int, which: str, value: np.ndarray) -> None:
+    key, n, chunk, numel = _chunking(engine, path, which)
+    flat = np.zeros(n * chunk, np.float32)
+    flat[:numel] = np.asarray(value, np.float32).reshape(-1)
+    for f in [engine.opt_tier.put(key, index * n + c, flat[c * chunk:(c + 1) * chunk]) for c in range(n)]:
+        f.result()
+
+
 def _global_state(engine: Any, path: str, which: str) -> jax.Array:
     """One optimizer state of one parameter as a global array in its own shape."""
     lay = engine.layouts[path]
-    shards = {i: engine.optimizer.read_state(path, i, which) for i in engine.store.local_indices(path)}
+    shards = {i: _read_state(engine, path, i, which) for i in engine.store.local_indices(path)}
     stored = assemble(lay, engine.mesh, shards)
     if lay.kind != "flat":
         return stored
@@ -194,13 +220,17 @@ def restore_into(engine: Any, step_dir: str | os.PathLike) -> dict[str, Any]:
                     arr = jax.jit(lambda a: to_stored(lay, a), out_shardings=NamedSharding(engine.mesh, lay.spec))(arr)
                 parts[s] = {i: np.asarray(x, np.float32) for i, x in split_local(lay, engine.mesh, arr).items()}
             for i in engine.store.local_indices(path):
-                engine.optimizer.write_state(path, i, parts["master"][i], parts["m"][i], parts["v"][i])
-                engine.store.put_local(path, i, parts["master"][i])
+                for s in STATES:
+                    _write_state(engine, path, i, s, parts[s][i])
+                engine.store.put_local(path, i, parts["master"][i]).result()
         del flat
     if (step_dir / "rng").exists():
-        saved = ckptr.restore(step_dir / "rng")
         cur = (engine.streamed.unit_rests, engine.streamed.glue_rest)
         leaves, tree = jax.tree.flatten(cur)
+        rep = NamedSharding(engine.mesh, P())
+        target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rep) for k, v in _rng_tree(engine).items()}
+        saved = ckptr.restore(step_dir / "rng", args=ocp.args.PyTreeRestore(
+            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
         new = []
         for i, x in enumerate(leaves):
             v = saved[f"leaf_{i:04d}"]
@@ -208,9 +238,9 @@ def restore_into(engine: Any, step_dir: str | os.PathLike) -> dict[str, Any]:
                 v = jax.random.wrap_key_data(jnp.asarray(v), impl=jax.random.key_impl(x))
             new.append(jax.device_put(v, x.sharding))
         engine.streamed.unit_rests, engine.streamed.glue_rest = jax.tree.unflatten(tree, new)
-    engine.optimizer.load_state_dict(meta["optimizer"])
     engine.user_state = dict(meta.get("user_state", {}))
     step_meta = {"step": meta["step"]}
-    engine.optimizer.commit(step_meta)
+    engine.opt_tier.commit({**step_meta, OPTIMIZER_STATE_KEY: meta["optimizer"]})
+    engine.optimizer.restore_state()
     engine.store.commit(step_meta)
     return meta

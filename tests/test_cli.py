@@ -1,0 +1,97 @@
+"""The main job and the command line: trains, saves, resumes; bad input gives one clear error."""
+import json
+import os
+import subprocess
+
+import pytest
+
+from zinf_jax.cli import main
+
+TINY = ["--d-model", "32", "--n-layers", "2", "--seq", "32", "--batch", "8", "--no-progress"]
+
+
+def _run(tmp_path, *extra):
+    return main(["train", "--run-dir", str(tmp_path / "run"), *TINY, *extra])
+
+
+def _losses(tmp_path):
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        return [json.loads(line)["loss"] for line in f]
+
+
+def test_main_job_trains_saves_and_resumes(tmp_path, capsys):
+    assert _run(tmp_path, "--steps", "40", "--save-every", "20", "--lr", "1e-2") == 0
+    err = capsys.readouterr().err
+    assert "done: 40 steps" in err
+    losses = _losses(tmp_path)
+    assert len(losses) == 40
+    assert sum(losses[-5:]) / 5 < losses[0] - 1.0, (losses[0], losses[-5:])  # clearly falls
+    ckpts = sorted(p.name for p in (tmp_path / "run" / "ckpt").iterdir())
+    assert ckpts == ["step_00000020", "step_00000040"]
+    assert (tmp_path / "run" / "nvme" / "params" / "process_0" / "MANIFEST.json").exists()
+    assert _run(tmp_path, "--steps", "43", "--lr", "1e-2", "--resume") == 0
+    assert len(_losses(tmp_path)) == 43
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["step"] == 43 and summary["steps_run"] == 3
+    assert main(["inspect", str(tmp_path / "run" / "ckpt")]) == 0
+    out = capsys.readouterr().out
+    assert "step 43" in out and "blocks/0/up/kernel" in out
+    assert main(["inspect", str(tmp_path / "run" / "nvme")]) == 0
+    assert "generation" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ({"prefetch_depht": 2}, "unknown config key"),
+        ({"offload_param": {"device": "disk"}}, "offload_param"),
+    ],
+)
+def test_bad_zinf_config(tmp_path, capsys, content, message):
+    cfg = tmp_path / "zinf.json"
+    cfg.write_text(json.dumps(content))
+    assert _run(tmp_path, "--steps", "1", "--config", str(cfg)) == 2
+    err = capsys.readouterr().err
+    assert "error" in err and message in err
+
+
+def test_deepspeed_stage2_refused(tmp_path, capsys):
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    assert _run(tmp_path, "--steps", "1", "--deepspeed-config", str(ds)) == 2
+    assert "stage" in capsys.readouterr().err
+
+
+def test_resume_without_checkpoint(tmp_path, capsys):
+    assert _run(tmp_path, "--steps", "1", "--resume") == 2
+    assert "no zinf_jax checkpoint" in capsys.readouterr().err
+
+
+def _mount_tmpfs(path, opts):
+    path.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.decode().strip()}); needs root")
+
+
+def test_read_only_and_full_nvme_path(tmp_path, capsys):
+    ro = tmp_path / "ro"
+    _mount_tmpfs(ro, "size=1m,ro")
+    try:
+        assert _run(tmp_path, "--steps", "1", "--nvme-dir", str(ro)) == 2
+        assert "not writable" in capsys.readouterr().err
+    finally:
+        subprocess.run(["umount", str(ro)])
+    # a good run, then a full disk: the error is clear and the saved checkpoint stays intact
+    assert _run(tmp_path, "--steps", "2", "--param-device", "cpu", "--optimizer-device", "cpu") == 0
+    ckpt = tmp_path / "run" / "ckpt" / "step_00000002"
+    before = sorted((p.relative_to(ckpt), p.stat().st_size) for p in ckpt.rglob("*") if p.is_file())
+    full = tmp_path / "full"
+    _mount_tmpfs(full, "size=64k")
+    try:
+        assert _run(tmp_path, "--steps", "4", "--nvme-dir", str(full)) == 2
+        assert "disk full" in capsys.readouterr().err
+    finally:
+        subprocess.run(["umount", str(full)])
+    after = sorted((p.relative_to(ckpt), p.stat().st_size) for p in ckpt.rglob("*") if p.is_file())
+    assert before == after and os.path.exists(ckpt / "zinf_meta.json")

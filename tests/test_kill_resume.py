@@ -1,0 +1,76 @@
+"""SIGKILL the main job at a random point, resume: the run continues exactly as the uninterrupted one.
+
+Slow (several full runs of the main job in subprocesses): ``pytest -m slow tests/test_kill_resume.py``.
+"""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+STEPS, EVERY = 12, 3
+ARGS = ["--d-model", "32", "--n-layers", "2", "--seq", "32", "--batch", "8", "--no-progress",
+        "--steps", str(STEPS), "--save-every", str(EVERY)]
+
+
+def _cmd(run: Path, *extra):
+    return [sys.executable, "-m", "zinf_jax.cli", "train", "--run-dir", str(run), *ARGS, *extra]
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    env["JAX_NUM_CPU_DEVICES"] = "8"
+    return env
+
+
+def _losses(run: Path) -> dict[int, float]:
+    out = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        m = json.loads(line)
+        out[m["step"]] = m["loss"]  # a re-run step overwrites the killed run's entry
+    return out
+
+
+def _state(step_dir: Path) -> dict:
+    ck = ocp.PyTreeCheckpointer()
+    return {g.name: ck.restore(g) for g in sorted(step_dir.glob("group_*"))}
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_reproduces_uninterrupted_run(tmp_path):
+    ref = tmp_path / "ref"
+    subprocess.run(_cmd(ref), check=True, env=_env(), capture_output=True)
+    ref_losses = _losses(ref)
+    ref_state = _state(ref / "ckpt" / f"step_{STEPS:08d}")
+    rng = random.Random(0)
+    for trial in range(3):
+        run = tmp_path / f"killed{trial}"
+        p = subprocess.Popen(_cmd(run), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        while not any((run / "ckpt").glob("step_*/zinf_meta.json")) and p.poll() is None:
+            time.sleep(0.2)
+        time.sleep(rng.uniform(0.0, 6.0))  # somewhere in the following steps or a save
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        subprocess.run(_cmd(run, "--resume"), check=True, env=_env(), capture_output=True)
+        losses = _losses(run)
+        assert losses == ref_losses, trial
+        state = _state(run / "ckpt" / f"step_{STEPS:08d}")
+        for g, tree in ref_state.items():
+            flat_ref = {k: np.asarray(v) for k, v in _flat(tree)}
+            flat_got = {k: np.asarray(v) for k, v in _flat(state[g])}
+            assert all(flat_got[k].tobytes() == flat_ref[k].tobytes() for k in flat_ref), (trial, g)
+
+
+def _flat(tree, prefix=()):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _flat(v, prefix + (k,))
+    else:
+        yield "/".join(map(str, prefix)), tree
