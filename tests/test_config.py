@@ -162,7 +162,7 @@ def test_from_dict_unknown_key_errors(d, key):
 
 
 def test_from_dict_bad_value_names_field():
-    with pytest.raises(ConfigError, match=r"Offload\.device"):
+    with pytest.raises(ConfigError, match=r"offload_param\.device"):  # the key as the file spells it
         ZeroConfig.from_dict({"offload_param": {"device": "gpu"}})
 
 

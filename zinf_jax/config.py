@@ -283,8 +283,15 @@ def _from_dict(cls: type, d: Any, prefix: str) -> Any:
         raise ConfigError(f"unknown config key(s) {', '.join(prefix + k for k in unknown)}; "
                           f"accepted keys{' of ' + prefix.rstrip('.') if prefix else ''}: {', '.join(names)}")
     nested = {f.name: f.metadata["nested"] for f in dataclasses.fields(cls) if f.metadata["nested"]}
-    return cls(**{k: _from_dict(nested[k], v, f"{prefix}{k}.") if k in nested and v is not None else v
-                  for k, v in d.items()})
+    kwargs = {k: _from_dict(nested[k], v, f"{prefix}{k}.") if k in nested and v is not None else v
+              for k, v in d.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        if not prefix or e.field is None or e.field.startswith(prefix):
+            raise
+        key = prefix + e.field  # name the key as the file spells it: offload_param.device
+        raise ConfigError(f"{key}: {e.detail}", field=key, detail=e.detail) from None
 
 
 # --- DeepSpeed JSON --------------------------------------------------------------------------

@@ -154,12 +154,13 @@ def _tier_split(engine: Engine, m: dict[str, Any]) -> tuple[int, int]:
     return host, nvme
 
 
-def train(args: TrainArgs, *, out: TextIO = sys.stderr) -> dict[str, Any]:
+def train(args: TrainArgs, *, out: TextIO | None = None) -> dict[str, Any]:
     """Runs the main job; returns its summary (also printed and written as JSON).
 
     Raises:
       ConfigError, TierError, CheckpointError: bad input, with a clear message.
     """
+    out = out or sys.stderr
     run = Path(args.run_dir)
     run.mkdir(parents=True, exist_ok=True)
     ckpt = run / "ckpt"
