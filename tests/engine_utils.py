@@ -22,10 +22,10 @@ def open_param_tier(kind, mesh, path=None):
     return NvmeTier(path)
 
 
-def build(adapter, tier_kind, *, threshold, path=None, depth=2, mesh=None, **kw):
+def build(adapter, tier_kind, *, threshold, path=None, depth=2, mesh=None, compute_dtype="float32", **kw):
     mesh = mesh or make_mesh()
     lays = plan_partition(adapter.abstract_params, mesh, threshold)
-    store = ParamStore(open_param_tier(tier_kind, mesh, path), lays, mesh, "float32")
+    store = ParamStore(open_param_tier(tier_kind, mesh, path), lays, mesh, compute_dtype)
     init_unit_by_unit(adapter, store)
     return StreamedModel(adapter, store, prefetch_depth=depth, **kw)
 

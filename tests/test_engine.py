@@ -133,3 +133,18 @@ def test_init_unit_by_unit_equals_eager_bitwise():
         from zinf_jax.sharding import from_stored
         got = np.asarray(from_stored(lay, jax.device_get(arr)))
         assert got.tobytes() == eager[path].tobytes(), path
+
+
+def test_bfloat16_compute_float32_grads(gpt_reference):
+    ref_loss, ref_grads = gpt_reference
+    ad = nnx_adapter(gpt_ctor(), THRESHOLD)
+    sm = build(ad, "cpu", threshold=THRESHOLD, compute_dtype="bfloat16")
+    (w,) = sm.store.fetch(["blocks/0/up/kernel"])
+    assert w.dtype == jnp.bfloat16  # fetched in the compute dtype
+    glue = sm.store.fetch(ad.glue_paths)
+    loss, _, g_glue = sm.forward_backward(lm_loss, tokens(sm.mesh), glue, has_aux=False)
+    grads = streamed_grads(sm, g_glue)
+    assert all(sm.sink.get(p, i).dtype == np.float32 for (p, i), _ in sm.sink.items())
+    np.testing.assert_allclose(float(loss), ref_loss, rtol=2e-2)  # bf16 weights: ~3 significant digits
+    g, r = grads["blocks/0/up/kernel"], ref_grads["blocks/0/up/kernel"]
+    assert np.linalg.norm(g - r) < 0.1 * np.linalg.norm(r)

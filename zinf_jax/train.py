@@ -77,11 +77,16 @@ def build_config(args: TrainArgs) -> ZeroConfig:
     """The ZeroConfig the flags (or the given config files) describe."""
     if args.config and args.deepspeed_config:
         raise ValueError("give either --config or --deepspeed-config, not both")
-    if args.deepspeed_config:
-        return ZeroConfig.from_deepspeed(args.deepspeed_config)
-    if args.config:
-        with open(args.config) as f:
-            return ZeroConfig.from_dict(json.load(f))
+    if args.deepspeed_config or args.config:
+        if args.deepspeed_config:
+            cfg = ZeroConfig.from_deepspeed(args.deepspeed_config)
+        else:
+            with open(args.config) as f:
+                cfg = ZeroConfig.from_dict(json.load(f))
+        for off in (cfg.offload_param, cfg.offload_optimizer):
+            if off.device == "nvme" and not os.path.isabs(off.path):
+                os.makedirs(off.path, exist_ok=True)  # a relative swap folder is the job's own, like DeepSpeed's
+        return cfg
     nvme = args.nvme_dir or os.path.join(args.run_dir, "nvme")
     if "nvme" in (args.param_device, args.optimizer_device):
         os.makedirs(nvme, exist_ok=True)
