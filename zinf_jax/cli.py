@@ -64,9 +64,22 @@ def main(argv: list[str] | None = None) -> int:
 
             print(inspect_dir(a.dir))
             return 0
-        from zinf_jax.estimate import run_cli
+        from zinf_jax.estimate import Machine, estimate_from_sizes, format_report
 
-        print(run_cli(a))
+        if a.layers is None or a.hidden is None:
+            raise ValueError("estimate needs --layers and --hidden (and optionally --params, --vocab, --seq, --batch)")
+        ests = estimate_from_sizes(None if a.params is None else int(a.params), a.layers, a.hidden, a.vocab, a.seq,
+                                   a.batch, n_devices=a.devices, platform="gpu")
+        gib = 1 << 30
+        machine = None
+        if None not in (a.gpu_gib, a.host_gib, a.disk_gib):
+            machine = Machine(gpu_bytes=int(a.gpu_gib * gib), host_bytes=int(a.host_gib * gib),
+                              disk_bytes=int(a.disk_gib * gib), n_devices=a.devices)
+        if a.json:
+            import dataclasses as dc
+            print(json.dumps([dc.asdict(e) for e in ests], indent=1, default=str))
+        else:
+            print(format_report(ests, machine))
         return 0
     except (ConfigError, TierError, CheckpointError, ParamMismatchError, UnitPolicyError, ValueError, OSError) as e:
         print(f"zinf-jax {a.command}: error: {e}", file=sys.stderr)

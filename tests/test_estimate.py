@@ -1,0 +1,245 @@
+"""zinf_jax.estimate against what the engine actually holds, tier by tier.
+
+Each configuration builds a real engine on a tiny GPT whose blocks stream, runs
+two train steps (so both NVMe slots of every key are written), and measures:
+
+* device: the engine's own accounting (``engine.streamed.peak_device_bytes``:
+  prefetched shards + gathered unit + checkpoints + unit state) plus what it
+  leaves out: the fetched persistent params and, with params on ``none``, the
+  device tier (committed + uncommitted copies, seen just before its commit);
+* host: state held by zinf (not RSS): the grad sink when the optimizer step
+  starts, the driver's sub-group buffers, and the cpu tiers' committed +
+  uncommitted copies just before their commit (instance wrappers, test only);
+* nvme: the sizes of every file under the tier directories.
+
+The process RSS growth is recorded (``record_property``), not asserted.
+"""
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.experimental.compilation_cache import compilation_cache
+
+import zinf_jax as zinf
+from models import GPT, ConvNet, GPTConfig, lm_loss
+from zinf_jax.estimate import (CONFIGURATIONS, RUNTIME_OVERHEAD, Machine, estimate, estimate_from_model,
+                               estimate_from_sizes, fits, format_report)
+
+CFG = GPTConfig(n_layers=3, d_model=32, vocab=64, seq=16)
+THRESHOLD = 512  # LayerNorms, biases and the position table persist; blocks and the embedding stream
+BATCH = 8
+N_DEVICES = int(os.environ.get("ZINF_ESTIMATE_TEST_DEVICES", "2"))  # few shards: fewer fsynced files per step
+REL, SLACK = 0.15, 64 << 10
+
+
+def ctor(cfg=CFG):
+    return lambda: GPT(cfg, rngs=nnx.Rngs(0, dropout=1))
+
+
+def mesh():
+    return zinf.make_mesh(devices=jax.devices()[:N_DEVICES])
+
+
+def zconfig(param="none", opt="cpu", path=None, **kw):
+    return zinf.ZeroConfig(offload_param=zinf.Offload(param, path=path), offload_optimizer=zinf.Offload(opt, path=path),
+                           persistence_threshold=THRESHOLD, **kw)
+
+
+def example(cfg=CFG):
+    return jax.ShapeDtypeStruct((BATCH, cfg.seq + 1), np.int32)
+
+
+def rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+
+
+def _arrays_bytes(values) -> int:
+    return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in values)
+
+
+def _watch_commit(tier, record: dict, name: str) -> None:
+    """Records the memory tier's committed + uncommitted bytes just before each commit (private tables)."""
+    commit = tier.commit
+
+    def wrapped(metadata=None):
+        tier.wait()
+        held = _arrays_bytes(tier._committed.values()) + _arrays_bytes(tier._pending.values())
+        record[name] = max(record.get(name, 0), held)
+        return commit(metadata)
+
+    tier.commit = wrapped
+
+
+def measure(param: str, opt: str, path) -> tuple[dict, dict]:
+    """Builds the engine, runs two steps; measured bytes per tier and their parts."""
+    r0 = rss()
+    engine = zinf.initialize(ctor(), config=zconfig(param, opt, str(path)), mesh=mesh(), loss_fn=lm_loss)
+    rec: dict = {}
+    for tier, name in ((engine.param_tier, "param_tier"), (engine.opt_tier, "opt_tier")):
+        if tier.kind in ("cpu", "device"):
+            _watch_commit(tier, rec, name)
+    step = engine.optimizer.step
+
+    def watched_step(grad, write_param):
+        rec["grad_sink"] = max(rec.get("grad_sink", 0), engine.streamed.sink.nbytes())
+        return step(grad, write_param)
+
+    engine.optimizer.step = watched_step
+    tokens = np.asarray(jax.random.randint(jax.random.key(0), (BATCH, CFG.seq + 1), 0, CFG.vocab))
+    try:
+        for _ in range(2):
+            engine.train_step(tokens)
+        glue = sum(s.data.nbytes for a in engine.store.fetch(engine.adapter.glue_paths) for s in a.addressable_shards)
+        dev_tier = rec.get("param_tier", 0) if param == "none" else 0
+        drv = engine.optimizer
+        buffers = sum(a.nbytes for s in drv._sets for a in s.arrays)  # calloc'd _zeros stay untouched: not counted
+        buffers += sum(x.nbytes for x in (drv._assembly, drv._scratch) if x is not None)
+        host_tiers = sum(rec.get(n, 0) for n, t in (("param_tier", engine.param_tier), ("opt_tier", engine.opt_tier))
+                         if t.kind == "cpu")
+        parts = {
+            "device_stream": engine.streamed.peak_device_bytes, "device_glue": glue,
+            "device_tier_1x": engine.param_tier.stored_bytes() if param == "none" else 0, "device_tier_2x": dev_tier,
+            "grad_sink": rec["grad_sink"], "buffers": buffers, "host_tiers": host_tiers,
+            "rss_growth": rss() - r0,
+        }
+    finally:
+        engine.close()
+    nvme = sum(os.path.getsize(os.path.join(root, f)) for sub in ("params", "optimizer")
+               for root, _, files in os.walk(path / sub) for f in files)
+    device = max(parts["device_stream"] + glue + parts["device_tier_1x"], dev_tier + glue)
+    host = max(parts["grad_sink"] + buffers + host_tiers, host_tiers // 2)
+    return {"device": device, "host": host, "nvme": nvme}, parts
+
+
+def close(est: int, true: int) -> bool:
+    return abs(est - true) <= SLACK if true == 0 or est == 0 else abs(est - true) <= REL * true
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shared_compilations(tmp_path_factory):
+    """The engines here compile the same unit programs: share them through a persistent cache (this module only)."""
+    keys = {"jax_compilation_cache_dir": str(tmp_path_factory.mktemp("jax_cache")),
+            "jax_persistent_cache_min_compile_time_secs": 0.0, "jax_persistent_cache_min_entry_size_bytes": 0}
+    old = {k: jax.config.values[k] for k in keys}
+    compilation_cache.reset_cache()
+    for k, v in keys.items():
+        jax.config.update(k, v)
+    yield
+    for k, v in old.items():
+        jax.config.update(k, v)
+    compilation_cache.reset_cache()
+
+
+@pytest.fixture(scope="module")
+def estimates():
+    ests = estimate_from_model(ctor(), config=zconfig(), mesh=mesh(), loss_fn=lm_loss, example_batch=example())
+    return {(e.param_tier, e.optimizer_tier): e for e in ests}
+
+
+@pytest.mark.parametrize("param,opt", CONFIGURATIONS)
+def test_estimate_matches_engine(param, opt, estimates, tmp_path, record_property):
+    measured, parts = measure(param, opt, tmp_path)
+    est = estimates[(param, opt)]
+    got = {"device": est.device_bytes_local, "host": est.host_bytes, "nvme": est.nvme_bytes}
+    for tier in ("device", "host", "nvme"):
+        record_property(f"{tier}_measured", measured[tier])
+        record_property(f"{tier}_estimated", got[tier])
+    record_property("rss_growth", parts["rss_growth"])
+    print(f"\n{param}/{opt}: measured {measured} estimated {got} parts {parts}")
+    for tier in ("device", "host", "nvme"):
+        assert close(got[tier], measured[tier]), (tier, got[tier], measured[tier], dict(est.breakdown), parts)
+    assert (measured["nvme"] == 0) == ("nvme" not in (param, opt)) == (est.nvme_bytes == 0)
+    assert est.device_bytes * est.n_devices >= est.device_bytes_local
+
+
+@pytest.mark.parametrize("settings", [dict(prefetch_depth=0), dict(prefetch_depth=3, max_live_bytes=60_000),
+                                      dict(prefetch_depth=1, offload_activations=True)])
+def test_device_peak_replays_the_prefetcher(settings):
+    """The schedule replay gives the engine's own device accounting exactly, whatever the prefetch settings."""
+    config = zconfig("cpu", "cpu", **settings)
+    engine = zinf.initialize(ctor(), config=config, mesh=mesh(), loss_fn=lm_loss)
+    try:
+        engine.train_step(np.asarray(jax.random.randint(jax.random.key(1), (BATCH, CFG.seq + 1), 0, CFG.vocab)))
+        peak = engine.streamed.peak_device_bytes
+    finally:
+        engine.close()
+    est = estimate_from_model(ctor(), config=config, mesh=mesh(), loss_fn=lm_loss, example_batch=example(),
+                              configurations=[("cpu", "cpu")])[0]
+    assert est.device_bytes_local - est.breakdown["device.persistent_params"] == peak
+    assert ("device.activations" in est.breakdown) != settings.get("offload_activations", False)
+
+
+def test_sizes_agree_with_model(estimates):
+    """The GPT formula (12 h^2 + 13 h per block, tied V x h embedding) on the test GPT's own sizes."""
+    params = estimates[("none", "cpu")].params
+    sized = estimate_from_sizes(params, CFG.n_layers, CFG.d_model, CFG.vocab, CFG.seq, BATCH, n_devices=N_DEVICES,
+                                config=zconfig(), platform="cpu")
+    for e in sized:
+        m = estimates[(e.param_tier, e.optimizer_tier)]
+        assert e.params == m.params
+        for a, b in ((e.device_bytes_local, m.device_bytes_local), (e.host_bytes, m.host_bytes)):
+            assert abs(a - b) <= REL * b, (e.param_tier, e.optimizer_tier, a, b)
+        assert abs(e.nvme_bytes - m.nvme_bytes) <= REL * m.nvme_bytes + SLACK
+
+
+def test_device_does_not_grow_with_layers_when_activations_are_offloaded():
+    def dev(layers, offload):
+        cfg = GPTConfig(n_layers=layers, d_model=32, vocab=64, seq=16)
+        est = estimate_from_model(ctor(cfg), config=zconfig("cpu", "cpu", offload_activations=offload),
+                                  mesh=mesh(), loss_fn=lm_loss, example_batch=example(cfg),
+                                  configurations=[("cpu", "cpu")])[0]
+        return est.device_bytes_local, est.host_bytes
+
+    (d3, h3), (d6, h6) = dev(3, True), dev(6, True)
+    assert 0 <= d6 - d3 <= 3 * 12 * N_DEVICES and h6 > h3  # only each block's dropout key + count (12 B a device) grows
+    per_block = BATCH * CFG.seq * CFG.d_model * 4  # one float32 checkpoint per block call
+    assert dev(6, False)[0] - dev(3, False)[0] == d6 - d3 + 3 * per_block
+
+
+def test_fits_and_report():
+    ests = estimate(None, params=None, layers=4, hidden=256, vocab=1000, seq=128, batch=8, n_devices=8,
+                    config=zconfig(), platform="gpu")
+    assert [(e.param_tier, e.optimizer_tier) for e in ests] == list(CONFIGURATIONS)
+    assert ests[0].compute_dtype == "bfloat16"
+    big = Machine(80 << 30, 1 << 40, 1 << 40, 8)
+    assert fits(ests, big) == ests
+    no_disk = Machine(80 << 30, 1 << 40, 0, 8)
+    assert [(e.param_tier, e.optimizer_tier) for e in fits(ests, no_disk)] == [("none", "cpu"), ("cpu", "cpu")]
+    assert fits(ests, Machine(1 << 20, 1 << 40, 1 << 40, 8)) == []
+    report = format_report(ests, no_disk)
+    assert "✓" in report and "✗" in report and "GiB" in report and len(report.splitlines()) == len(ests) + 3
+    with pytest.raises(ValueError, match="devices"):
+        ests[0].fits(Machine(80 << 30, 1 << 40, 1 << 40, 4))
+    with pytest.raises(ValueError, match="configuration"):
+        estimate_from_sizes(None, 2, 64, 100, 8, 8, n_devices=8, configurations=[("gpu", "cpu")])
+    for e in ests:  # the nvme tiers keep two slots; cpu-tier state counts twice while a step commits
+        if e.optimizer_tier == "nvme":
+            assert e.breakdown["nvme.optimizer_state"] >= 2 * 12 * e.params
+        if e.param_tier == "cpu":
+            assert e.breakdown["host.param_tier_uncommitted"] == e.breakdown["host.param_tier"]
+
+
+def test_linen_model():
+    x = jax.ShapeDtypeStruct((8, 6, 6, 2), np.float32)
+    ests = estimate_from_model(ConvNet(), config=zinf.ZeroConfig(persistence_threshold=50), mesh=zinf.make_mesh(),
+                               init_args=(np.zeros(x.shape, x.dtype),), batch=16)
+    e = ests[0]
+    assert e.params == 5 * 2 * 9 + 5 + 7 * 5 * 9 + 7 + 13 * 7 * 36 + 13 + 3 * 13 + 3
+    assert e.breakdown["device.activations"] > 0 and e.host_bytes >= 4 * e.params
+
+
+def test_runtime_overhead_is_measured():
+    """The cpu runtime constant is what a fresh process holds after importing and compiling."""
+    code = ("import jax, jax.numpy as jnp, numpy as np, zinf_jax\n"
+            "from zinf_jax.optim.kernel import sum_squares\n"
+            "jax.jit(lambda a: a * 2)(jnp.ones(8)).block_until_ready(); sum_squares(np.ones(64, np.float32))\n"
+            "print(next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmRSS')))\n")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, check=True)
+    measured = int(out.stdout.split()[-1])
+    assert 0.6 * RUNTIME_OVERHEAD["cpu"][1] <= measured <= 1.4 * RUNTIME_OVERHEAD["cpu"][1], measured

@@ -1,0 +1,400 @@
+"""Memory needed per tier (device, host RAM, NVMe) for every offload configuration.
+
+One :class:`MemoryEstimate` per (param tier none/cpu/nvme, optimizer tier cpu/nvme;
+``"none"`` means cpu: the streamed Adam runs on the host). :func:`estimate_from_model`
+uses real units and layouts (nothing initialised), :func:`estimate_from_sizes` a GPT.
+The ``*_bytes`` fields count the state *held by zinf* at its peak, not the RSS:
+
+* device: the gathered unit (whole, compute dtype, on every device), stored shards of
+  the current and ``prefetch_depth`` next units, unit-boundary activation checkpoints
+  (one per unit call, unless ``offload_activations``), unit state, persistent params;
+  with params on ``none`` the param tier.
+* host: the cpu param tier, fp32 master/m/v (12 B/param), the grad sink (4 B/param),
+  ``buffer_count`` sub-group buffer sets (12 B/element), offloaded checkpoints. A
+  memory tier keeps its committed copy until a step commits: its state counts twice.
+* nvme: both slots of every key (2 x dtype bytes/param, 2 x 12 B/param) and metadata
+  (zarr skips all-zero chunks: a run may use less).
+
+Overheads (runtime, I/O copies, XLA working set) count in :meth:`MemoryEstimate.fits`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from zinf_jax.config import ZeroConfig
+from zinf_jax.engine.adapters import LinenAdapter, NnxAdapter, _get
+from zinf_jax.sharding import local_shard_devices, make_mesh, plan_partition
+from zinf_jax.tiers.nvme import _chunk_shape
+from zinf_jax.units import UnitPolicy
+
+__all__ = ["Machine", "MemoryEstimate", "CONFIGURATIONS", "RUNTIME_OVERHEAD", "estimate", "estimate_from_sizes",
+           "estimate_from_model", "fits", "format_report"]
+
+CONFIGURATIONS: tuple[tuple[str, str], ...] = tuple((p, o) for p in ("none", "cpu", "nvme") for o in ("cpu", "nvme"))
+"""Every ``(param tier, optimizer tier)`` pair."""
+RUNTIME_OVERHEAD: dict[str, tuple[int, int]] = {"cpu": (0, 460 << 20), "gpu": (1 << 30, 3 << 30),
+                                                 "tpu": (1 << 28, 2 << 30)}
+"""Platform to (bytes per device, host bytes per process) of the JAX runtime alone. cpu: measured (JAX 0.10.2,
+flax, tensorstore, numba kernels; 1-8 devices); gpu (CUDA context, cuBLAS/cuDNN workspaces, CUDA libraries) and
+tpu: assumed, not measured. On GPU set ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` or XLA reserves 75% of memory."""
+_KEY_METADATA_BYTES = 2 * 280 + 130  # an nvme key: zarr.json per slot (measured 266-272 B), MANIFEST entry (~130 B)
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """One host: its accelerators, RAM and local disk.
+
+    Attributes:
+      gpu_bytes: memory of one accelerator.
+      host_bytes: RAM of the host.
+      disk_bytes: free space on the NVMe offload path.
+      n_devices: accelerators of the host (one process per host).
+    """
+
+    gpu_bytes: int
+    host_bytes: int
+    disk_bytes: int
+    n_devices: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MemoryEstimate:
+    """Memory of one offload configuration (see the module docstring for what counts).
+
+    Attributes:
+      param_tier: ``"none"``, ``"cpu"`` or ``"nvme"``.
+      optimizer_tier: ``"cpu"`` or ``"nvme"``.
+      device_bytes: peak zinf state on the fullest device.
+      device_bytes_local: the same peak summed over this process's devices.
+      host_bytes: peak zinf state in host RAM of one process.
+      nvme_bytes: bytes on the offload disk of one process.
+      breakdown: ``"tier.item"`` to bytes at each tier's peak (device: summed over local devices).
+      device_overhead_bytes: runtime and XLA working set, per device.
+      host_overhead_bytes: runtime and transient I/O copies, per process.
+      n_devices: devices of one process.
+      n_processes: processes (hosts).
+      compute_dtype: dtype of params on device and in the param tier.
+      params: parameter count of the model.
+    """
+
+    param_tier: str
+    optimizer_tier: str
+    device_bytes: int
+    device_bytes_local: int
+    host_bytes: int
+    nvme_bytes: int
+    breakdown: Mapping[str, int]
+    device_overhead_bytes: int
+    host_overhead_bytes: int
+    n_devices: int
+    n_processes: int
+    compute_dtype: str
+    params: int
+
+    def required(self) -> dict[str, int]:
+        """Bytes needed per tier: state plus overheads (device per device; host, nvme per process)."""
+        return {"device": self.device_bytes + self.device_overhead_bytes,
+                "host": self.host_bytes + self.host_overhead_bytes, "nvme": self.nvme_bytes}
+
+    def fits_tiers(self, machine: Machine) -> dict[str, bool]:
+        """Per tier, whether :meth:`required` fits ``machine``.
+
+        Raises:
+          ValueError: the machine has another device count than the estimate.
+        """
+        if machine.n_devices != self.n_devices:
+            raise ValueError(f"estimate made for {self.n_devices} devices per process, machine has {machine.n_devices}")
+        r = self.required()
+        return {"device": r["device"] <= machine.gpu_bytes, "host": r["host"] <= machine.host_bytes,
+                "nvme": r["nvme"] <= machine.disk_bytes}
+
+    def fits(self, machine: Machine) -> bool:
+        """Whether every tier fits ``machine`` (see :meth:`fits_tiers`)."""
+        return all(self.fits_tiers(machine).values())
+
+
+@dataclasses.dataclass(frozen=True)
+class _Digest:
+    """Everything the estimate needs about one model on one process (bytes unless noted)."""
+
+    n_local: int  # devices of this process
+    n_idx: int  # shard indices of this process (devices holding distinct shards)
+    n_processes: int
+    compute_dtype: str
+    params: int  # elements
+    unit_held: tuple[int, ...]  # a unit's stored shards on the local devices
+    unit_gathered: tuple[int, ...]  # a whole unit times the local devices
+    unit_grad: tuple[int, ...]  # float32 of a unit's local shards
+    calls: tuple[tuple[int, int], ...]  # (uid, checkpoint bytes on the local devices) per unit call
+    rests: int  # non-parameter unit state, local devices
+    glue: int  # persistent params outside units, local devices
+    store: int  # param shards of this process in the tier (one copy)
+    store_sharded: int  # the part of ``store`` split over devices
+    store_disk: int  # chunk files of one param slot
+    grad: int  # grad sink
+    opt: int  # master + m + v
+    opt_disk: int  # chunk files of one optimizer slot
+    groups: int  # optimizer sub-groups (elements: max_chunk)
+    max_chunk: int
+    assembly: int  # driver's multi-chunk shard buffer
+    param_meta: int  # nvme metadata of the param tier
+    workspace: int  # XLA working set per device (transient guess)
+
+
+def _simulate(d: _Digest, depth: int, max_live: int | None, offload: bool) -> tuple[dict, dict]:
+    """Replays the prefetcher over the forward+backward schedule; the device and host peaks (local sums)."""
+    sched = [u for u, _ in d.calls] + [u for u, _ in reversed(d.calls)]
+    n, prefix = len(d.calls), np.cumsum([0] + [b for _, b in d.calls]).tolist()
+    inflight: dict[int, int] = {}  # schedule position -> uid, fetched ahead
+    dev_best, host_best, grads_done = {}, {}, set()
+    for p, uid in enumerate(sched):
+        inflight.pop(p, None)
+        held = lambda: sum(d.unit_held[u] for u in {uid, *inflight.values()})  # noqa: E731
+        for q in range(p + 1, min(len(sched), p + 1 + depth)):  # Prefetcher._fill after take()
+            new = q not in inflight and sched[q] != uid and sched[q] not in inflight.values()
+            if new and max_live is not None and held() + d.unit_held[sched[q]] > max_live:
+                break
+            inflight.setdefault(q, sched[q])
+        saved = prefix[p] if p < n else prefix[2 * n - 1 - p]  # a backward call pops its checkpoint first
+        dev = {"gathered_unit": d.unit_gathered[uid], "prefetched_shards": held(),
+               "activations": 0 if offload else saved}
+        host = {"activations": saved if offload else 0, "grad_sink": sum(d.unit_grad[u] for u in grads_done)}
+        dev_best = max(dev_best, dev, key=lambda x: sum(x.values()))
+        host_best = max(host_best, host, key=lambda x: sum(x.values()))
+        grads_done |= {uid} if p >= n else set()
+    return dev_best, host_best
+
+
+def _estimate(d: _Digest, config: ZeroConfig, pt: str, ot: str, platform: str) -> MemoryEstimate:
+    if pt not in ("none", "cpu", "nvme") or (ot := "cpu" if ot == "none" else ot) not in ("cpu", "nvme"):
+        raise ValueError(f"configuration ({pt!r}, {ot!r}): param tier none|cpu|nvme, optimizer tier cpu|nvme")
+    stream, host_fb = _simulate(d, config.prefetch_depth, config.max_live_bytes, config.offload_activations)
+    on_dev, cpu_p, cpu_o = d.store if pt == "none" else 0, d.store if pt == "cpu" else 0, d.opt if ot == "cpu" else 0
+    fixed = {"unit_state": d.rests, "persistent_params": d.glue}
+    dev_phases = [{**stream, **fixed, "param_tier": on_dev},
+                  {**fixed, "param_tier": on_dev, "param_tier_uncommitted": on_dev}]
+
+    def per_device(items: Mapping[str, int]) -> int:
+        tiers = sum(1 for k, v in items.items() if k.startswith("param_tier") and v)
+        spread = sum(v for k, v in items.items() if not k.startswith("param_tier"))
+        return -(-spread // d.n_local) + tiers * (-(-d.store_sharded // d.n_idx) + d.store - d.store_sharded)
+
+    dev = max(dev_phases, key=per_device)
+    buffers = min(config.offload_optimizer.buffer_count, d.groups) * 12 * d.max_chunk + d.assembly
+    host = max([{**host_fb, "param_tier": cpu_p, "optimizer_state": cpu_o},
+                {"grad_sink": d.grad, "optimizer_buffers": buffers, "param_tier": cpu_p,
+                 "param_tier_uncommitted": cpu_p, "optimizer_state": cpu_o, "optimizer_state_uncommitted": cpu_o}],
+               key=lambda x: sum(x.values()))
+    nvme = {"param_tier": 2 * d.store_disk + d.param_meta if pt == "nvme" else 0,  # optimizer: 3 keys a param
+            "optimizer_state": 2 * d.opt_disk + 3 * d.param_meta if ot == "nvme" else 0}
+    breakdown = {f"{t}.{k}": int(v) for t, items in (("device", dev), ("host", host), ("nvme", nvme))
+                 for k, v in items.items() if v}
+    # transient host copies: nvme param reads before their device copy, tensorstore's copies of optimizer writes
+    staging = (pt == "nvme") * (1 + config.prefetch_depth) * max(d.unit_held, default=0) + (ot == "nvme") * buffers
+    return MemoryEstimate(
+        param_tier=pt, optimizer_tier=ot, device_bytes=per_device(dev), device_bytes_local=sum(dev.values()),
+        host_bytes=sum(host.values()), nvme_bytes=sum(nvme.values()), breakdown=breakdown,
+        device_overhead_bytes=RUNTIME_OVERHEAD.get(platform, RUNTIME_OVERHEAD["gpu"])[0] + d.workspace,
+        host_overhead_bytes=RUNTIME_OVERHEAD.get(platform, RUNTIME_OVERHEAD["gpu"])[1] + staging,
+        n_devices=d.n_local, n_processes=d.n_processes, compute_dtype=d.compute_dtype, params=d.params)
+
+
+def estimate_from_sizes(
+    params: int | None, layers: int, hidden: int, vocab: int, seq: int, batch: int, *, n_devices: int,
+    config: ZeroConfig | None = None, n_processes: int = 1, heads: int | None = None, platform: str | None = None,
+    configurations: Iterable[tuple[str, str]] = CONFIGURATIONS,
+) -> list[MemoryEstimate]:
+    """Estimates a GPT from its sizes, for each configuration.
+
+    Assumes blocks of ``12 hidden^2 + 13 hidden`` params and a ``vocab x hidden`` embedding
+    tied to the head (more params: an untied head unit); one checkpoint per unit call.
+
+    Args:
+      params: total parameter count (``None``: from the sizes).
+      layers, hidden, vocab, seq, batch: the GPT and the global batch (sequences x tokens).
+      n_devices: devices of the whole job, spread evenly over ``n_processes`` hosts.
+      config: depth, sub-group size, buffer count, dtypes (default ``ZeroConfig()``).
+      n_processes: hosts; host and nvme figures are per host.
+      heads: attention heads, for the working-set guess (default ``hidden // 64``).
+      platform: ``"cpu"``/``"gpu"``/``"tpu"`` (default: JAX's): compute dtype, runtime overhead.
+      configurations: ``(param tier, optimizer tier)`` pairs (default: all six).
+
+    Raises:
+      ValueError: sizes that do not make a model.
+    """
+    config = config or ZeroConfig()
+    platform = (platform or jax.default_backend()).lower()
+    cd = config.resolved_compute_dtype(platform)
+    c, h, n_local, P = jnp.dtype(cd).itemsize, hidden, n_devices // n_processes, n_processes
+    block, embed, glue_el = 12 * h * h + 13 * h, vocab * h, 2 * h
+    params = layers * block + embed + glue_el if params is None else int(params)
+    if min(layers, hidden, vocab, seq, batch, n_local) < 1 or params < embed + glue_el + layers:
+        raise ValueError(f"sizes do not make a model: params={params}, layers={layers}, hidden={hidden}, vocab={vocab}")
+    block = min(block, (params - embed - glue_el) // layers)
+    head = params - layers * block - embed - glue_el
+    untied = head > config.persistence_threshold
+    units = [embed] + [block] * layers + ([head] if untied else [])
+    glue_el += 0 if untied else head
+    act = batch * seq * h * c // P
+    calls = [(0, batch * seq * 4 // P)] + [(1 + i, act) for i in range(layers)] + [(layers + 1 if untied else 0, act)]
+    shard = max(4 * h * h, embed) // n_devices
+    chunk = min(shard, config.sub_group_size)
+    a = heads or max(1, h // 64)  # per-layer activations (Korthikanti et al. 2022) + logits, log-softmax, grad
+    workspace = (seq * batch * h * (34 + 5 * a * seq / h) * c / 2 + batch * seq * vocab * (c + 8)) / n_devices
+    d = _Digest(
+        n_local=n_local, n_idx=n_local, n_processes=P, compute_dtype=cd, params=params,
+        unit_held=tuple(u * c // P for u in units), unit_gathered=tuple(u * c * n_local for u in units),
+        unit_grad=tuple(u * 4 // P for u in units), calls=tuple(calls), rests=0, glue=glue_el * c * n_local,
+        store=params * c // P, store_sharded=(params - glue_el) * c // P, store_disk=params * c // P,
+        grad=params * 4 // P, opt=12 * params // P, opt_disk=12 * params // P,
+        groups=max(1, (params // P) // max(chunk, 1)), max_chunk=chunk, assembly=4 * shard if shard > chunk else 0,
+        param_meta=(12 * layers + 3 + untied) * _KEY_METADATA_BYTES, workspace=int(workspace))
+    return [_estimate(d, config, pt, ot, platform) for pt, ot in configurations]
+
+
+def _nbytes(tree: Any) -> int:
+    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))
+
+
+def _padded(shape: Sequence[int], itemsize: int) -> int:
+    """Bytes of the zarr chunk files of one shard (edge chunks are stored whole)."""
+    chunk = _chunk_shape(shape, itemsize, 16 << 20)  # NvmeTier's default chunk_bytes
+    return itemsize * math.prod(-(-s // k) * k for s, k in zip(shape, chunk))
+
+
+def _trace_calls(adapter: Any, dtype_of: Callable[[str], str], layouts: Mapping[str, Any], loss_fn: Callable,
+                 example: Any) -> tuple[list[tuple[int, int]], int, int]:
+    """Unit calls of one abstract loss evaluation: ``[(uid, checkpoint bytes)]``, unit-state bytes, largest output."""
+    calls, info = [], {"rests": [], "out": 0, "rest_bytes": 0}
+    zeros = lambda paths: [jnp.zeros(layouts[p].shape, dtype_of(p)) for p in paths]  # noqa: E731
+
+    def record(uid: int, method: str, args: tuple, kwargs: dict) -> Any:
+        calls.append((uid, _nbytes(args)))
+        rest = info["rests"][uid] if info["rests"] else None
+        out, _ = adapter.unit_fn(uid, method, kwargs)(zeros(adapter.units[uid].param_paths), rest, args)
+        info["out"] = max(info["out"], _nbytes(out))
+        return out
+
+    def run(batch: Any) -> Any:
+        if isinstance(adapter, NnxAdapter):  # what NnxAdapter.init_state builds, abstractly
+            model = adapter.constructor()
+            info["rests"] = [nnx.split(_get(model, up), nnx.Param, ...)[2] for up in adapter._unit_paths]
+            info["rest_bytes"] = _nbytes(info["rests"])  # (adapter internals: no public abstract init_state)
+            adapter._wrap(model)
+            _, gparams, grest = nnx.split(model, nnx.Param, ...)
+            glue = [x.astype(dtype_of(p)) for p, x in zip(adapter.glue_paths, jax.tree.leaves(gparams))]
+        else:
+            glue, grest = zeros(adapter.glue_paths), None
+        return adapter.run(loss_fn, glue, grest, batch)[0]
+
+    adapter.dispatch.call = record  # the adapter is ours alone
+    jax.eval_shape(run, example)
+    return calls, info["rest_bytes"], info["out"]
+
+
+def estimate_from_model(
+    model: Callable[[], Any] | Any, *, config: ZeroConfig | None = None, mesh: Any = None, batch: int | None = None,
+    seq: int | None = None, init_args: tuple = (), init_kwargs: Mapping[str, Any] | None = None,
+    loss_fn: Callable | None = None, example_batch: Any = None, unit_policy: Any = None,
+    configurations: Iterable[tuple[str, str]] = CONFIGURATIONS,
+) -> list[MemoryEstimate]:
+    """Estimates a Flax model from its real units and layouts, for each configuration.
+
+    Nothing is initialised: one ``jax.eval_shape`` of the loss finds the unit calls and inputs.
+
+    Args:
+      model: an NNX constructor or a Linen module, as for :func:`zinf_jax.initialize`.
+      config: persistence threshold, prefetch depth, sub-groups, dtypes (default ``ZeroConfig()``).
+      mesh: the mesh (default :func:`zinf_jax.make_mesh`).
+      batch, seq: the global batch: NNX models get int32 tokens ``(batch, seq)``;
+        Linen modules get ``init_args`` with the leading dimension set to ``batch``.
+      init_args, init_kwargs: Linen only: the arguments of ``module.init``.
+      loss_fn: as given to ``initialize`` (default: call the model on the batch).
+      example_batch: the global batch for ``loss_fn`` (arrays or ShapeDtypeStructs).
+      unit_policy: as for ``initialize``.
+      configurations: ``(param tier, optimizer tier)`` pairs (default: all six).
+
+    Raises:
+      ValueError: no batch given.
+    """
+    config, mesh, policy = config or ZeroConfig(), mesh or make_mesh(), unit_policy or UnitPolicy()
+    linen = isinstance(model, nn.Module)
+    adapter = (LinenAdapter(model, tuple(init_args), dict(init_kwargs or {}), policy, config.persistence_threshold,
+                            config.seed) if linen else NnxAdapter(model, policy, config.persistence_threshold))
+    if example_batch is None:
+        if batch is None or (seq is None and not linen):
+            raise ValueError("estimate_from_model needs example_batch, or batch (and seq for NNX models)")
+        example_batch = (tuple(jax.ShapeDtypeStruct((batch, *jnp.shape(x)[1:]), jnp.result_type(x)) for x in init_args)
+                         if linen else jax.ShapeDtypeStruct((batch, seq), jnp.int32))
+    loss_fn = loss_fn or ((lambda m, b: m(*b)) if linen else (lambda m, b: m(b)))
+    example = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), example_batch)  # global
+    layouts = plan_partition(adapter.abstract_params, mesh, config.persistence_threshold)
+    cd = config.resolved_compute_dtype(platform := mesh.devices.flat[0].platform)
+    dtype_of = {p: cd if jnp.issubdtype(jnp.dtype(lay.dtype), jnp.floating) else lay.dtype
+                for p, lay in layouts.items()}.__getitem__
+    devices = local_shard_devices(mesh)
+    n_local, n_idx, P = sum(len(v) for v in devices.values()), len(devices), jax.process_count()
+    shards = {p: 1 if lay.dim is None else n_idx for p, lay in layouts.items()}  # stored by this process
+    item = {p: jnp.dtype(dtype_of(p)).itemsize for p in layouts}
+    numel = {p: math.prod(lay.shard_shape) for p, lay in layouts.items()}
+    local = {p: numel[p] * shards[p] for p in layouts}  # elements this process stores
+    chunk = {p: min(numel[p], config.sub_group_size) for p in layouts}
+    n_chunks = {p: -(-numel[p] // chunk[p]) for p in layouts}
+    calls, rests, out = _trace_calls(adapter, dtype_of, layouts, loss_fn, example)
+    unit = lambda f: tuple(sum(f(p) for p in u.param_paths) for u in adapter.units)  # noqa: E731
+    d = _Digest(
+        n_local=n_local, n_idx=n_idx, n_processes=P, compute_dtype=cd, params=sum(x.size for x in layouts.values()),
+        unit_held=unit(lambda p: layouts[p].bytes_per_device(dtype_of(p)) * n_local),
+        unit_gathered=unit(lambda p: layouts[p].size * item[p] * n_local), unit_grad=unit(lambda p: 4 * local[p]),
+        calls=tuple((u, b // P) for u, b in calls), rests=rests * n_local,
+        glue=sum(layouts[p].bytes_per_device(dtype_of(p)) * n_local for p in adapter.glue_paths),
+        store=sum(item[p] * local[p] for p in layouts),
+        store_sharded=sum(item[p] * local[p] for p, lay in layouts.items() if lay.dim is not None),
+        store_disk=sum(_padded(layouts[p].shard_shape, item[p]) * shards[p] for p in layouts),
+        grad=sum(4 * local[p] for p in layouts), opt=sum(12 * n_chunks[p] * chunk[p] * shards[p] for p in layouts),
+        opt_disk=sum(3 * n_chunks[p] * shards[p] * _padded((chunk[p],), 4) for p in layouts),
+        groups=sum(n_chunks[p] * shards[p] for p in layouts), max_chunk=max(chunk.values(), default=1),
+        assembly=4 * max((numel[p] for p in layouts if n_chunks[p] > 1), default=0),
+        param_meta=sum(_KEY_METADATA_BYTES + len(p) + 3 * shards[p] for p in layouts),
+        workspace=3 * out // (P * n_local))  # the largest unit output (logits): itself, f32 copy, cotangent
+    return [_estimate(d, config, pt, ot, platform) for pt, ot in configurations]
+
+
+def estimate(model: Any = None, /, **kwargs: Any) -> list[MemoryEstimate]:
+    """:func:`estimate_from_model` when a model is given, else :func:`estimate_from_sizes` (keyword sizes)."""
+    return estimate_from_sizes(**kwargs) if model is None else estimate_from_model(model, **kwargs)
+
+
+def fits(estimates: Iterable[MemoryEstimate], machine: Machine) -> list[MemoryEstimate]:
+    """The configurations whose every tier fits ``machine``."""
+    return [e for e in estimates if e.fits(machine)]
+
+
+def _human(n: float) -> str:
+    k = next(k for k in range(4, -1, -1) if n >= 1024 ** k or k == 0)
+    return f"{n:.0f} B" if k == 0 else f"{n / 1024 ** k:.1f} {('KiB', 'MiB', 'GiB', 'TiB')[k - 1]}"
+
+
+def format_report(estimates: Sequence[MemoryEstimate], machine: Machine | None = None) -> str:
+    """A table of the bytes each configuration needs per tier, with ✓/✗ against ``machine``."""
+    rows = [["param", "optimizer", "device (each)", "host", "nvme"] + (["fits"] if machine else [])]
+    for e in estimates:
+        req, ok = e.required(), e.fits_tiers(machine) if machine else {}
+        mark = lambda t: (" ✓" if ok[t] else " ✗") if machine else ""  # noqa: E731
+        rows.append([e.param_tier, e.optimizer_tier] + [_human(req[t]) + mark(t) for t in ("device", "host", "nvme")]
+                    + (["✓" if all(ok.values()) else "✗"] if machine else []))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    e = estimates[0] if estimates else None
+    lines += [f"{e.params:,} params, {e.compute_dtype}, {e.n_devices} devices x {e.n_processes} process(es); zinf "
+              "state + overheads; device per device, host and nvme per process"] if e else []
+    return "\n".join(lines)
