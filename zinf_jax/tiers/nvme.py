@@ -81,6 +81,20 @@ def _chunk_shape(shard_shape: Sequence[int], itemsize: int, limit: int) -> list[
     return chunk
 
 
+def _syncfs(path: Path) -> None:
+    """Flushes every dirty page of the filesystem holding ``path`` (one call instead of an fsync per file)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if libc.syncfs(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+    finally:
+        os.close(fd)
+
+
 def _safe(key: str) -> str:
     parts = [re.sub(r"[^A-Za-z0-9._-]", "_", p) or "_" for p in key.split("/")]
     return "/".join(p if p not in (".", "..") else "_" + p for p in parts)
@@ -94,7 +108,10 @@ class NvmeTier:
       process_index: this process's index (default ``jax.process_index()``).
       max_in_flight_bytes: bound on bytes of reads and writes in flight.
       direct_io: bypass the page cache (``O_DIRECT``) so reads measure the disk.
-      sync: fsync every write before it counts as done (needed for crash safety).
+      sync: how writes are made durable before a commit publishes them: ``"write"``/``True``
+        (default: tensorstore fsyncs every chunk file, flushes overlap), ``"commit"``
+        (buffered writes, one ``syncfs`` at commit: measured slower here, 37-43%
+        of raw write vs 58-72%), ``False`` (not durable; benchmarks only).
       chunk_bytes: shards larger than this are stored as several chunk files
         (written, synced and read concurrently).
       io_concurrency: file operations tensorstore runs at once for this tier
@@ -114,7 +131,7 @@ class NvmeTier:
         process_index: int | None = None,
         max_in_flight_bytes: int = 1 << 30,
         direct_io: bool = False,
-        sync: bool = True,
+        sync: bool | str = "write",
         chunk_bytes: int = 16 << 20,
         io_concurrency: int | None = 32,
     ):
@@ -144,7 +161,10 @@ class NvmeTier:
 
         self.budget = ByteBudget(max_in_flight_bytes)
         self._chunk_bytes = int(chunk_bytes)
-        ctx: dict[str, Any] = {"file_io_sync": bool(sync)}
+        if sync not in (True, False, "write", "commit"):
+            raise ValueError(f"nvme tier sync must be 'commit', 'write' (True) or False, got {sync!r}")
+        self._sync_at_commit = sync == "commit"
+        ctx: dict[str, Any] = {"file_io_sync": sync in (True, "write")}
         if io_concurrency is not None:
             ctx["file_io_concurrency"] = {"limit": int(io_concurrency)}
         if direct_io:
@@ -345,9 +365,14 @@ class NvmeTier:
                 for i in missing:
                     self.put(key, i, self.get(key, i).result())
             self.wait()
+            if self._sync_at_commit and self._written:
+                _syncfs(self.dir)
         except TierError:
             self._abort()
             raise
+        except OSError as e:
+            self._abort()
+            raise self._error(e, "flushing", "data", None) from e
         slots = {**self._slot, **self._pending_slot}
         man = {
             "format": _FORMAT,
