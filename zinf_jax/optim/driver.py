@@ -13,7 +13,11 @@ norm, non-finite check), then streams the sub-groups through a pool of at most
 ``buffer_count`` buffer sets: reads run ahead into free buffers while the
 current sub-group is updated and earlier ones are written back, so the disk is
 kept busy and the Adam kernel hides behind the I/O (DeepSpeed's pipelined
-NVMe optimizer: read(i+1) || Adam(i) || write(i-1)).
+NVMe optimizer: read(i+1) || Adam(i) || write(i-1)). The pool persists across
+steps (fresh buffers cost page faults): it holds ``buffer_count * min(largest
+shard, sub_group_size) * 12`` bytes, plus one multi-chunk shard (4 B/element)
+assembled for ``write_param``. A tier may hold its own copy of a buffer while
+writing it (tensorstore does), up to as many again.
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ import dataclasses
 import math
 import time
 from concurrent.futures import Future
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 
@@ -31,12 +35,14 @@ from zinf_jax.optim.kernel import all_finite, sum_squares
 from zinf_jax.optim.scaling import LossScaler, grad_scale, init_loss_scale, update_loss_scale
 from zinf_jax.tiers.base import ShardSpec, Tier
 
+if TYPE_CHECKING:
+    from zinf_jax.config import LossScaleConfig
+    from zinf_jax.sharding import ParamLayout
+
 __all__ = ["StreamedAdam", "STATES", "METADATA_KEY"]
 
-STATES = ("master", "m", "v")
-"""The three per-parameter keys in the tier, as ``f"{state}/{path}"``."""
-METADATA_KEY = "streamed_adam"
-"""Key of the optimizer's own counters in the tier metadata."""
+STATES = ("master", "m", "v")  # the three keys of a parameter in the tier: f"{state}/{path}"
+METADATA_KEY = "streamed_adam"  # the optimizer's own counters in the tier metadata
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,18 +53,14 @@ class _Group:
     start: int  # offset of the chunk in the flat shard
     valid: int  # elements of real data (< chunk size only for a padded last chunk)
     n_chunks: int
-
-    @property
-    def index(self) -> int:
-        return self.shard * self.n_chunks + self.chunk
+    index: int  # tier index: shard * n_chunks + chunk
 
 
 class _BufferSet:
     """float32 buffers for one sub-group (master, m, v) and the futures still using them."""
 
     def __init__(self, size: int):
-        self.arrays = tuple(np.empty(size, np.float32) for _ in STATES)
-        self.pending: list[Future] = []
+        self.arrays, self.pending = tuple(np.empty(size, np.float32) for _ in STATES), []
 
 
 @dataclasses.dataclass
@@ -76,6 +78,16 @@ def _is_future(x: Any) -> bool:
     return callable(getattr(x, "result", None)) and callable(getattr(x, "done", None))
 
 
+def _wait(futures: list, quiet: bool = False) -> None:
+    """Waits for every future; ``quiet`` (unwinding after an error) swallows their errors."""
+    for f in futures:
+        try:
+            f.result()
+        except Exception:  # noqa: BLE001
+            if not quiet:
+                raise
+
+
 class StreamedAdam:
     """Adam(W) over optimizer state kept in a tier, streamed sub-group by sub-group.
 
@@ -91,11 +103,11 @@ class StreamedAdam:
       allreduce: sums a float across processes (identity in a single process).
     """
 
-    def __init__(self, spec: AdamSpec, tier: Tier, layouts: Mapping[str, Any], *,
+    def __init__(self, spec: AdamSpec, tier: Tier, layouts: Mapping[str, ParamLayout], *,
                  local_indices: Callable[[str], list[int]],
                  owner: Callable[[str, int], bool] = lambda p, i: True,
                  sub_group_size: int, buffer_count: int = 4,
-                 loss_scale: Any | None = None,
+                 loss_scale: LossScaleConfig | None = None,
                  allreduce: Callable[[float], float] = lambda x: x):
         if sub_group_size < 1 or buffer_count < 1:
             raise ValueError(f"need sub_group_size >= 1 and buffer_count >= 1, got {sub_group_size}, {buffer_count}")
@@ -105,51 +117,46 @@ class StreamedAdam:
         self._ls = {} if loss_scale is None else dataclasses.asdict(loss_scale)
         self._ls.setdefault("enabled", False)
         self._scaler: LossScaler = init_loss_scale(**self._ls)
-        self._count = 0
-        self._skipped = 0
-        self._numel: dict[str, int] = {}
+        self._count = self._skipped = 0
+        self._numel: dict[str, int] = {}  # per path: elements of a shard, of a chunk, chunks per shard
         self._chunk: dict[str, int] = {}
+        self._nch: dict[str, int] = {}
         self._local: dict[str, list[int]] = {}
         self._groups: list[_Group] = []
         for path, lay in self.layouts.items():
             numel = math.prod(lay.shard_shape)
             chunk = min(numel, int(sub_group_size))
             n = -(-numel // chunk)
-            self._numel[path], self._chunk[path] = numel, chunk
+            self._numel[path], self._chunk[path], self._nch[path] = numel, chunk, n
             self._local[path] = sorted(int(i) for i in local_indices(path))
             for i in self._local[path]:
                 for c in range(n):
-                    self._groups.append(_Group(path, i, c, c * chunk, min(chunk, numel - c * chunk), n))
+                    self._groups.append(_Group(path, i, c, c * chunk, min(chunk, numel - c * chunk), n, i * n + c))
         self._max_chunk = max(self._chunk.values(), default=1)
         self._sets: list[_BufferSet] = []  # the pool, kept across steps (fresh buffers cost page faults)
         self._free: collections.deque[_BufferSet] = collections.deque()
         self._live = 0
-        self.peak_live_buffers = 0
-        """Most sub-group buffer sets in use at once since construction."""
+        self.peak_live_buffers = 0  # most sub-group buffer sets in use at once, since construction
         self._scratch: np.ndarray | None = None  # grad conversion (non-float32 grads)
         self._zeros: np.ndarray | None = None  # zero grad, zero moments (read only)
         self._assembly: np.ndarray | None = None  # a multi-chunk shard handed to write_param
         self._assembly_pending: list[Future] = []
         self.last_stats: dict[str, float] = {}
-        """Timing of the last :meth:`step`: seconds in the norm pass, waiting on reads and
-        writes, in the Adam kernel, in ``write_param``, and in total."""
+        """Seconds of the last :meth:`step` in the norm pass, waiting on reads and writes, in Adam, in write_param."""
 
     # --- layout -------------------------------------------------------------
-    def _n_chunks(self, path: str) -> int:
-        return -(-self._numel[path] // self._chunk[path])
-
     def declare(self) -> None:
         """Declares ``master/<path>``, ``m/<path>`` and ``v/<path>`` in the tier (once, before init or restore)."""
         for path, lay in self.layouts.items():
-            n = self._n_chunks(path)
+            n = self._nch[path]
             spec = ShardSpec(shard_shape=(self._chunk[path],), dtype="float32", num_shards=lay.num_shards * n)
             local = [i * n + c for i in self._local[path] for c in range(n)]
             for s in STATES:
                 self.tier.declare(f"{s}/{path}", spec, local)
 
     def _zero_buffer(self) -> np.ndarray:
-        if self._zeros is None:
-            self._zeros = np.zeros(self._max_chunk, np.float32)  # calloc: untouched pages cost no RAM
+        if self._zeros is None:  # calloc: pages never written cost no RAM; read-only as a guard
+            self._zeros = np.zeros(self._max_chunk, np.float32)
             self._zeros.flags.writeable = False
         return self._zeros
 
@@ -166,7 +173,7 @@ class StreamedAdam:
           ValueError: ``master`` has the wrong number of elements.
         """
         flat = np.asarray(master).reshape(-1)
-        numel, chunk, n = self._numel[path], self._chunk[path], self._n_chunks(path)
+        numel, chunk, n = self._numel[path], self._chunk[path], self._nch[path]
         if flat.shape[0] != numel:
             raise ValueError(f"master shard of {path!r} has {flat.shape[0]} elements, layout says {numel}")
         zeros = self._zero_buffer()[:chunk]
@@ -184,7 +191,7 @@ class StreamedAdam:
 
     def read_master(self, path: str, index: int) -> np.ndarray:
         """The float32 master shard (stored form, ``layout.shard_shape``) as currently stored."""
-        numel, chunk, n = self._numel[path], self._chunk[path], self._n_chunks(path)
+        numel, chunk, n = self._numel[path], self._chunk[path], self._nch[path]
         out = np.empty(n * chunk, np.float32)
         futs = [self.tier.get(f"master/{path}", index * n + c, out=out[c * chunk:(c + 1) * chunk]) for c in range(n)]
         for f in futs:
@@ -227,8 +234,7 @@ class StreamedAdam:
         if st is None:
             return
         self._count, self._skipped = int(st["count"]), int(st["skipped"])
-        s, h, k, last = st["loss_scaler"]
-        self._scaler = LossScaler(float(s), int(h), int(k), int(last))
+        self._scaler = LossScaler(*(t(x) for t, x in zip((float, int, int, int), st["loss_scaler"])))
 
     # --- the step -------------------------------------------------------------
     def _as_f32(self, g: np.ndarray, start: int, stop: int) -> np.ndarray:
@@ -269,29 +275,31 @@ class StreamedAdam:
         return bs
 
     def _release(self, bs: _BufferSet, *, quiet: bool = False) -> None:
-        for f in bs.pending:
-            try:
-                f.result()
-            except Exception:  # noqa: BLE001
-                if not quiet:  # unwinding after an error: only wait, the first error is raised already
-                    raise
+        _wait(bs.pending, quiet)
         bs.pending = []
         self._live -= 1
         self._free.append(bs)
 
+    def _io(self, bs: _BufferSet, gr: _Group, read: bool) -> None:
+        """Reads or writes master, m and v of sub-group ``gr``; each future joins ``bs.pending`` at once."""
+        size = self._chunk[gr.path]
+        for s, a in zip(STATES, bs.arrays):
+            key, buf = f"{s}/{gr.path}", a[:size]
+            bs.pending.append(self.tier.get(key, gr.index, out=buf) if read else self.tier.put(key, gr.index, buf))
+
     def _fill(self, pipe: _Pipe, j: int) -> None:
         """Reclaims finished writes, then reads ahead into free buffers (sub-group ``j`` at least)."""
-        while pipe.writing and all(f.done() for f in pipe.writing[0].pending):
-            self._release(pipe.writing.popleft())
+        for bs in [b for b in pipe.writing if all(f.done() for f in b.pending)]:
+            pipe.writing.remove(bs)
+            self._release(bs)
         while pipe.nxt < len(self._groups) and (pipe.nxt == j or self._free or len(self._sets) < self.buffer_count):
             if not self._free and len(self._sets) >= self.buffer_count:
                 t = time.perf_counter()
                 self._release(pipe.writing.popleft())  # a buffer must come free for sub-group j
                 pipe.t_write += time.perf_counter() - t
-            bs, gr = self._take(), self._groups[pipe.nxt]
-            size = self._chunk[gr.path]
-            bs.pending = [self.tier.get(f"{s}/{gr.path}", gr.index, out=a[:size]) for s, a in zip(STATES, bs.arrays)]
+            bs = self._take()
             pipe.reads.append(bs)
+            self._io(bs, self._groups[pipe.nxt], read=True)
             pipe.nxt += 1
 
     def step(self, grad: Callable[[str, int], np.ndarray | None],
@@ -332,6 +340,8 @@ class StreamedAdam:
         finally:  # on an error (or a skip), let in-flight I/O finish before buffers are reused
             for bs in [*pipe.reads, *pipe.writing, *([pipe.current] if pipe.current else [])]:
                 self._release(bs, quiet=True)
+            _wait(self._assembly_pending, quiet=True)
+            self._assembly_pending = []
         self.last_stats = {**stats, "total_s": time.perf_counter() - t0}
         return {"grad_norm": gs.norm, "skipped": not gs.finite, "loss_scale": self.loss_scale,
                 "step": self._count, "lr": lr}
@@ -358,8 +368,7 @@ class StreamedAdam:
             adam_update_shard(p, m, v, g_part, step=step, lr=lr, b1=sp.b1, b2=sp.b2, eps=sp.eps,
                               weight_decay=wd, eps_root=sp.eps_root, grad_scale=mult)
             t_adam += time.perf_counter() - t
-            size = self._chunk[gr.path]
-            bs.pending = [self.tier.put(f"{s}/{gr.path}", gr.index, a[:size]) for s, a in zip(STATES, bs.arrays)]
+            self._io(bs, gr, read=False)
 
             t = time.perf_counter()
             shape, numel = self.layouts[gr.path].shard_shape, self._numel[gr.path]
@@ -368,12 +377,11 @@ class StreamedAdam:
                 bs.pending += [out] if _is_future(out) else []
             else:
                 if gr.chunk == 0:
-                    for f in self._assembly_pending:
-                        f.result()
+                    _wait(self._assembly_pending)
                     self._assembly_pending = []
                     if self._assembly is None:
                         self._assembly = np.empty(max(self._numel[q] for q in self.layouts
-                                                      if self._n_chunks(q) > 1), np.float32)
+                                                      if self._nch[q] > 1), np.float32)
                 self._assembly[sl] = p
                 if gr.chunk == gr.n_chunks - 1:
                     out = write_param(gr.path, gr.shard, self._assembly[:numel].reshape(shape))
@@ -384,8 +392,7 @@ class StreamedAdam:
         t = time.perf_counter()
         while pipe.writing:
             self._release(pipe.writing.popleft())
-        for f in self._assembly_pending:
-            f.result()
+        _wait(self._assembly_pending)
         self._assembly_pending = []
         pipe.t_write += time.perf_counter() - t
         return {"read_wait_s": t_read, "write_wait_s": pipe.t_write, "adam_s": t_adam,

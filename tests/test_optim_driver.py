@@ -1,0 +1,363 @@
+"""The streaming optimizer driver against optax, on the cpu and nvme tiers.
+
+The reference is always ``optax`` on the full (unsharded) arrays:
+``optax.chain(optax.clip_by_global_norm(c), optax.adamw(schedule, mask=...))``.
+The driver sees the same parameters split into the shards of
+:func:`zinf_jax.sharding.plan_partition` on the 8-device test mesh, and the
+shards cut into sub-groups (several chunks per shard, a padded last chunk, when
+``sub_group_size`` is small).
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from zinf_jax.config import LossScaleConfig
+from zinf_jax.optim import StreamedAdam, adamw, default_decay_mask, init_loss_scale, update_loss_scale
+from zinf_jax.sharding import from_stored, make_mesh, plan_partition, to_stored
+from zinf_jax.tiers import CpuTier, NvmeTier
+
+SHAPES = {
+    "dense/kernel": (64, 40),  # sharded on dim 0: shards (8, 40), 320 elements
+    "dense/bias": (40,),  # sharded: (5,)
+    "embed/embedding": (37, 16),  # sharded on dim 1: (37, 2), non-contiguous split
+    "head/kernel": (15, 7),  # no dimension divides by 8: flat, padded to 112
+    "norm/scale": (12,),  # persistent (one whole shard)
+    "temperature": (),  # persistent scalar
+}
+STEPS = 20
+RTOL = 1e-6
+CLIP = 1.0
+WD = 0.1
+SMALL, LARGE = 50, 1 << 20  # 50 divides no multi-chunk shard (320 -> 7 chunks, 74 -> 2)
+
+
+def _sched():
+    return optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=1e-2, warmup_steps=5,
+                                              decay_steps=STEPS, end_value=1e-3)
+
+
+def _spec():
+    return adamw(_sched(), b1=0.9, b2=0.95, eps=1e-8, weight_decay=WD, clip_norm=CLIP)
+
+
+def _ref_tx():
+    mask = {p: default_decay_mask(p, s) for p, s in SHAPES.items()}
+    return optax.chain(optax.clip_by_global_norm(CLIP),
+                       optax.adamw(_sched(), b1=0.9, b2=0.95, eps=1e-8, weight_decay=WD, mask=mask))
+
+
+@pytest.fixture(scope="module")
+def layouts():
+    structs = {p: jax.ShapeDtypeStruct(s, jnp.float32) for p, s in SHAPES.items()}
+    lay = plan_partition(structs, make_mesh(), persistence_threshold=16)
+    assert {l.kind for l in lay.values()} == {"sharded", "flat", "persistent"}
+    return lay
+
+
+def _init_params(seed=0):
+    rng = np.random.default_rng(seed)
+    out = {}
+    for p, s in SHAPES.items():  # magnitudes in [0.5, 1.5]: rtol is meaningful
+        mag = rng.uniform(0.5, 1.5, size=s).astype(np.float32)
+        out[p] = np.where(rng.random(s) < 0.5, -mag, mag).astype(np.float32)
+    return out
+
+
+def _grads(t, seed=1):
+    rng = np.random.default_rng(seed * 1000 + t)
+    scale = 0.01 if t % 2 else 1.0  # alternately below and above the clipping norm
+    return {p: (rng.standard_normal(s) * scale).astype(np.float32) for p, s in SHAPES.items()}
+
+
+def _split(layout, full):
+    stored = to_stored(layout, np.asarray(full, np.float32))
+    if layout.dim is None:
+        return {0: np.ascontiguousarray(stored)}
+    return {i: np.ascontiguousarray(a) for i, a in enumerate(np.split(stored, layout.num_shards, axis=layout.dim))}
+
+
+def _join(layout, shards):
+    if layout.dim is None:
+        return from_stored(layout, shards[0])
+    return from_stored(layout, np.concatenate([shards[i] for i in range(layout.num_shards)], axis=layout.dim))
+
+
+def _optax(grads_seq, params):
+    tx = _ref_tx()
+    p = {k: jnp.asarray(v) for k, v in params.items()}
+    state = tx.init(p)
+
+    @jax.jit
+    def step(p, s, g):
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    for g in grads_seq:
+        p, state = step(p, state, {k: jnp.asarray(v) for k, v in g.items()})
+    return {k: np.asarray(v) for k, v in p.items()}
+
+
+def _make_tier(kind, path):
+    return CpuTier(memory="numpy") if kind == "cpu" else NvmeTier(path, process_index=0)
+
+
+def _driver(tier, layouts, sgs, params=None, **kw):
+    opt = StreamedAdam(_spec(), tier, layouts, local_indices=lambda p: list(range(layouts[p].num_shards)),
+                       sub_group_size=sgs, **kw)
+    opt.declare()
+    if params is not None:
+        for p, full in params.items():
+            for i, shard in _split(layouts[p], full).items():
+                opt.init_shard(p, i, shard)
+    return opt
+
+
+class _Writes(dict):
+    """Records write_param calls (copies: the driver reuses its buffers)."""
+
+    def __call__(self, path, i, arr):
+        assert arr.dtype == np.float32
+        self[(path, i)] = np.array(arr)
+
+
+def _step(opt, layouts, grads, writes, *, scale=1.0):
+    shards = {p: _split(layouts[p], g * np.float32(scale)) for p, g in grads.items()}
+    return opt.step(lambda p, i: shards[p][i] if p in shards else None, writes)
+
+
+def _masters(opt, layouts):
+    return {p: _join(lay, {i: opt.read_master(p, i) for i in range(lay.num_shards)}) for p, lay in layouts.items()}
+
+
+def _snapshot(tier):
+    return {(k, i): tier.get(k, i).result().tobytes() for k in tier.keys() for i in tier.local_indices(k)}
+
+
+def _assert_close(got, want):
+    for p in SHAPES:
+        assert got[p].shape == want[p].shape, p
+        np.testing.assert_allclose(got[p], want[p], rtol=RTOL, atol=0, err_msg=p)
+
+
+@pytest.mark.parametrize("kind,sgs", [("cpu", SMALL), ("cpu", 64), ("cpu", LARGE), ("nvme", SMALL), ("nvme", LARGE)],
+                         ids=["cpu-small50", "cpu-small64", "cpu-large", "nvme-small50", "nvme-large"])
+def test_matches_optax(kind, sgs, layouts, tmp_path):
+    params = _init_params()
+    tier = _make_tier(kind, tmp_path)
+    opt = _driver(tier, layouts, sgs, params, buffer_count=3)
+    if sgs == SMALL:
+        assert tier.spec("m/dense/kernel").num_shards == 8 * 7
+    sched, writes = _sched(), _Writes()
+    for t in range(STEPS):
+        g = _grads(t)
+        writes.clear()
+        met = _step(opt, layouts, g, writes)
+        norm = np.sqrt(sum(np.sum(x.astype(np.float64) ** 2) for x in g.values()))
+        assert met["skipped"] is False and met["step"] == t + 1 and met["loss_scale"] == 1.0
+        assert met["lr"] == pytest.approx(float(sched(t)), rel=1e-6, abs=1e-12)
+        assert met["grad_norm"] == pytest.approx(norm, rel=1e-9)
+        assert set(writes) == {(p, i) for p, lay in layouts.items() for i in range(lay.num_shards)}
+    want = _optax([_grads(t) for t in range(STEPS)], params)
+    got = _masters(opt, layouts)
+    _assert_close(got, want)
+    written = {p: _join(lay, {i: writes[(p, i)] for i in range(lay.num_shards)}) for p, lay in layouts.items()}
+    for p in SHAPES:
+        np.testing.assert_array_equal(written[p], got[p])
+    assert 1 < opt.peak_live_buffers <= 3
+    tier.close()
+
+
+@pytest.mark.parametrize("kind", ["cpu", "nvme"])
+def test_nonfinite_step_is_skipped(kind, layouts, tmp_path):
+    params = _init_params()
+    tier = _make_tier(kind, tmp_path)
+    opt = _driver(tier, layouts, SMALL, params)
+    writes = _Writes()
+    for t in range(5):
+        _step(opt, layouts, _grads(t), writes)
+    for path, idx, bad in [("dense/kernel", 1, np.nan), ("dense/bias", 3, np.inf)]:
+        before, writes = _snapshot(tier), _Writes()
+        g = _grads(99)
+        stored = to_stored(layouts[path], g[path])  # poison one element of one shard
+        flat_index = {"dense/kernel": (idx * 8 + 2, 5), "dense/bias": (idx * 5 + 1,)}[path]
+        stored[flat_index] = bad
+        g[path] = stored
+        met = _step(opt, layouts, g, writes)
+        assert met["skipped"] is True and not np.isfinite(met["grad_norm"])
+        assert writes == {} and _snapshot(tier) == before
+        assert opt.step_count == 5 and met["step"] == 5
+    assert opt.skipped == 2
+    for t in range(5, 10):
+        assert not _step(opt, layouts, _grads(t), writes)["skipped"]
+    _assert_close(_masters(opt, layouts), _optax([_grads(t) for t in range(10)], params))
+    tier.close()
+
+
+def test_owner_and_allreduce_in_norm(layouts):
+    opt = _driver(CpuTier(memory="numpy"), layouts, SMALL, _init_params(),
+                  owner=lambda p, i: p != "dense/kernel" or i % 2 == 0, allreduce=lambda x: 2 * x)
+    g = _grads(0)
+    local = sum(np.sum(g[p].astype(np.float64) ** 2) for p in SHAPES if p != "dense/kernel")
+    kernel_shards = _split(layouts["dense/kernel"], g["dense/kernel"])
+    local += sum(np.sum(s.astype(np.float64) ** 2) for i, s in kernel_shards.items() if i % 2 == 0)
+    met = _step(opt, layouts, g, _Writes())
+    assert met["grad_norm"] == pytest.approx(np.sqrt(2 * local), rel=1e-12)
+    g["dense/kernel"][8 + 3, 0] = np.inf  # in shard 1, a replica owned elsewhere: still checked
+    writes = _Writes()
+    met = _step(opt, layouts, g, writes)
+    assert met["skipped"] and writes == {} and opt.skipped == 1 and opt.step_count == 1
+
+
+def test_missing_grad_is_zero_and_float16_grads(layouts):
+    params = _init_params()
+    opt = _driver(CpuTier(memory="numpy"), layouts, SMALL, params)
+    ref = _driver(CpuTier(memory="numpy"), layouts, SMALL, params)
+    seq = []
+    for t in range(4):
+        g = {p: x.astype(np.float16) for p, x in _grads(t).items() if p != "embed/embedding"}
+        shards = {p: _split(layouts[p], x.astype(np.float32)) for p, x in g.items()}
+        shards16 = {p: {i: s.astype(np.float16) for i, s in v.items()} for p, v in shards.items()}
+        opt.step(lambda p, i: shards16[p][i] if p in shards16 else None, _Writes())
+        ref.step(lambda p, i: shards[p][i] if p in shards else None, _Writes())
+        seq.append({p: g[p].astype(np.float32) if p in g else np.zeros(SHAPES[p], np.float32) for p in SHAPES})
+    got = _masters(opt, layouts)
+    for p in SHAPES:
+        np.testing.assert_array_equal(got[p], _masters(ref, layouts)[p])  # float16 = float32 of same values
+    _assert_close(got, _optax(seq, params))
+
+
+def test_loss_scale_sequence(layouts):
+    cfg = LossScaleConfig(enabled=True, initial_scale_power=3, window=2, hysteresis=2, min_scale=1.0)
+    overflow = [False, False, False, True, True, False, False, False, True, False, True, True, True]
+    # DeepSpeed's rules by hand: x2 after `window` clean steps since the last overflow; an
+    # overflow first spends hysteresis (2 -> 1), then halves; a doubling refills hysteresis.
+    expected = [8, 8, 16, 16, 8, 8, 8, 16, 16, 16, 8, 4, 2]
+    state, by_rules = init_loss_scale(**dataclasses.asdict(cfg)), []
+    for o in overflow:
+        state = update_loss_scale(state, o, **dataclasses.asdict(cfg))
+        by_rules.append(state.scale)
+    assert by_rules == expected
+    params = _init_params()
+    opt = _driver(CpuTier(memory="numpy"), layouts, SMALL, params, loss_scale=cfg)
+    assert opt.loss_scale == 8.0
+    scales, clean = [], []
+    for t, o in enumerate(overflow):
+        g = _grads(t)
+        if o:
+            g["head/kernel"] = g["head/kernel"].copy()
+            g["head/kernel"][3, 2] = np.inf  # a float16 overflow
+        else:
+            clean.append(g)
+        met = _step(opt, layouts, g, _Writes(), scale=opt.loss_scale)  # grads carry the scale
+        assert met["skipped"] == o and met["loss_scale"] == opt.loss_scale
+        scales.append(opt.loss_scale)
+    assert scales == expected
+    assert opt.skipped == sum(overflow) and opt.step_count == len(clean)
+    _assert_close(_masters(opt, layouts), _optax(clean, params))
+
+    static = _driver(CpuTier(memory="numpy"), layouts, SMALL, params,
+                     loss_scale=LossScaleConfig(enabled=True, static_scale=128.0))
+    g = _grads(0)
+    g["dense/bias"] = np.full_like(g["dense/bias"], np.inf)
+    assert _step(static, layouts, g, _Writes(), scale=128.0)["skipped"] and static.loss_scale == 128.0
+    met = _step(static, layouts, _grads(0), _Writes(), scale=128.0)
+    assert not met["skipped"] and met["grad_norm"] == pytest.approx(
+        np.sqrt(sum(np.sum(x.astype(np.float64) ** 2) for x in _grads(0).values())), rel=1e-9)
+    _assert_close(_masters(static, layouts), _optax([_grads(0)], params))
+
+
+def test_buffer_accounting_is_bounded(layouts):
+    for bc in (1, 2, 4):
+        opt = _driver(CpuTier(memory="numpy"), layouts, 16, _init_params(), buffer_count=bc)
+        for t in range(2):
+            _step(opt, layouts, _grads(t), _Writes())
+        assert opt.peak_live_buffers == bc  # used to the full depth, never beyond
+        assert len(opt._sets) == bc
+        assert opt.last_stats["sub_groups"] > 50
+
+
+def test_commit_reopen_restore_continues(layouts, tmp_path):
+    cfg = LossScaleConfig(enabled=True, initial_scale_power=4, window=3)
+    params = _init_params()
+
+    def run(opt, ts):
+        for t in ts:
+            g = _grads(t)
+            if t == 2:
+                g["dense/bias"] = np.full_like(g["dense/bias"], np.nan)
+            _step(opt, layouts, g, _Writes(), scale=opt.loss_scale)
+
+    full = _driver(CpuTier(memory="numpy"), layouts, SMALL, params, loss_scale=cfg)
+    run(full, range(10))
+
+    (tmp_path / "a").mkdir()
+    tier = NvmeTier(tmp_path / "a", process_index=0)
+    opt = _driver(tier, layouts, SMALL, params, loss_scale=cfg)
+    run(opt, range(6))
+    opt.commit({"engine": {"epoch": 1}})
+    run(opt, range(6, 8))  # uncommitted work, lost on reopen
+    tier.close()
+
+    tier = NvmeTier(tmp_path / "a", process_index=0)
+    opt = _driver(tier, layouts, SMALL, loss_scale=cfg)
+    assert opt.step_count == 0
+    opt.restore_state()
+    assert tier.metadata()["engine"] == {"epoch": 1}
+    assert (opt.step_count, opt.skipped) == (5, 1)
+    run(opt, range(6, 10))
+    assert (opt.step_count, opt.skipped, opt.loss_scale) == (full.step_count, full.skipped, full.loss_scale)
+    got, want = _masters(opt, layouts), _masters(full, layouts)
+    for p in SHAPES:
+        np.testing.assert_array_equal(got[p], want[p])
+    tier.close()
+
+
+def test_init_shard_rejects_wrong_size(layouts):
+    opt = _driver(CpuTier(memory="numpy"), layouts, SMALL)
+    with pytest.raises(ValueError):
+        opt.init_shard("dense/kernel", 0, np.zeros(7, np.float32))
+
+
+def test_write_param_future_defers_buffer_reuse(layouts):
+    import concurrent.futures as cf
+    import time
+
+    opt = _driver(CpuTier(memory="numpy"), layouts, SMALL, _init_params(), buffer_count=2)
+    got = {}
+
+    def slow_copy(p, i, a):
+        time.sleep(0.002)  # reused too early, the buffer would hold the next sub-group by now
+        got[(p, i)] = np.array(a)
+
+    with cf.ThreadPoolExecutor(1) as ex:
+        for t in range(2):
+            _step(opt, layouts, _grads(t), lambda p, i, a: ex.submit(slow_copy, p, i, a))
+    for p, lay in layouts.items():
+        for i in range(lay.num_shards):
+            np.testing.assert_array_equal(got[(p, i)], opt.read_master(p, i))
+
+
+class _FailingTier(CpuTier):
+    def __init__(self, fail_at):
+        super().__init__(memory="numpy")
+        self.puts, self.fail_at = 0, fail_at
+
+    def put(self, key, index, value):
+        self.puts += 1
+        if self.puts == self.fail_at:
+            raise OSError("injected write failure")
+        return super().put(key, index, value)
+
+
+def test_io_error_propagates_and_returns_buffers(layouts):
+    tier = _FailingTier(fail_at=10**9)
+    opt = _driver(tier, layouts, SMALL, _init_params(), buffer_count=3)
+    tier.fail_at = tier.puts + 40  # mid-step
+    with pytest.raises(OSError, match="injected"):
+        _step(opt, layouts, _grads(0), _Writes())
+    assert opt._live == 0 and len(opt._free) == len(opt._sets) <= 3
+    assert opt.step_count == 0
