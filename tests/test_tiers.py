@@ -125,3 +125,12 @@ def test_nvme_local_indices_only(tmp_path):
     with pytest.raises(TierError, match="not stored by this process"):
         t.put("w", 0, np.zeros(8, np.float32))
     t.close()
+
+
+def test_put_does_not_alias_the_callers_buffer(tier):
+    """The optimizer reuses its buffers once a put resolves; the tier must hold its own copy."""
+    tier.declare("buf", ShardSpec(shard_shape=(64,), dtype="float32", num_shards=1))
+    buf = np.arange(64, dtype=np.float32)
+    tier.put("buf", 0, buf).result()
+    buf[:] = -1.0
+    assert np.array_equal(np.asarray(tier.get("buf", 0).result()), np.arange(64, dtype=np.float32))

@@ -166,7 +166,8 @@ class DeviceTier(_MemoryTier):
         if isinstance(value, jax.Array) and value.sharding.memory_kind in (None, "device"):
             return value.astype(spec.dtype) if value.dtype != spec.dtype else value
         dev = self._placement(index)
-        arr = jax.device_put(np.asarray(value, dtype=_np(spec.dtype)), dev)
+        # a copy: on CPU, device_put may alias the numpy buffer, which the caller may reuse
+        arr = jax.device_put(np.array(value, dtype=_np(spec.dtype), copy=True), dev)
         return arr.block_until_ready()
 
 
@@ -202,6 +203,6 @@ class CpuTier(_MemoryTier):
             return np.array(value, dtype=_np(spec.dtype), copy=True)
         dev = self._placement(index)
         sharding = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
-        src = value if isinstance(value, jax.Array) else np.asarray(value, dtype=_np(spec.dtype))
+        src = value if isinstance(value, jax.Array) else np.array(value, dtype=_np(spec.dtype), copy=True)
         return jax.device_put(src, sharding).block_until_ready()
 
