@@ -44,6 +44,21 @@ _JIT_MSG = (
 )
 
 
+def _one_program_at_a_time(mesh: Any) -> bool:
+    """Whether each unit program must finish before the next one is dispatched.
+
+    XLA:CPU runs every device's part of a program as a task on one shared pool
+    with as many threads as devices, and an in-process collective blocks its
+    thread until all devices arrive. With several collective programs in flight
+    (async dispatch of unit after unit), their tasks can occupy every thread
+    while each program waits for a device whose task cannot start: a deadlock
+    that XLA aborts after 40 s ("Termination timeout for `all gather`"). It
+    shows up on an oversubscribed host; waiting for each unit program avoids it.
+    """
+    devices = list(mesh.devices.flat)
+    return len(devices) > 1 and devices[0].platform == "cpu"
+
+
 def _nbytes_on_devices(tree: Any) -> int:
     total = 0
     for x in jax.tree.leaves(tree):
@@ -105,6 +120,7 @@ class StreamedModel:
         self.peak_live_array_bytes = 0
         self._warned = False
         self._anchor = jnp.zeros((), jnp.float32)
+        self._sync_units = _one_program_at_a_time(self.mesh)
 
     # --- public passes --------------------------------------------------------
     def make_plan(self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array]) -> Plan:
@@ -221,6 +237,8 @@ class StreamedModel:
         rest = self.unit_rests[uid]
         self._account(uid)
         out, self.unit_rests[uid] = prog(stored, rest, args)
+        if self._sync_units:
+            jax.block_until_ready(out)
         if save:
             self._saved.append((uid, method, self._park(args), rest))
         del stored
@@ -236,6 +254,8 @@ class StreamedModel:
         prog = self.programs.backward(self._key(uid, method, kwkey), self._layouts[uid], self.adapter.unit_fn(uid, method, kwargs))
         self._account(uid)
         gp, gd = prog(stored, rest, args, g)
+        if self._sync_units:
+            jax.block_until_ready((gp, gd))
         del stored
         self.prefetcher.release()
         for path, gpath in zip(self.units[uid].param_paths, gp):
@@ -249,17 +269,24 @@ class StreamedModel:
 
     # --- activation checkpoints and accounting -------------------------------
     def _park(self, args: Any) -> Any:
+        # Uncommitted arrays (e.g. ``jnp.arange`` made by glue code) stay where they are:
+        # a round trip through the host would commit them to one device, and the
+        # backward program would then refuse them next to mesh-sharded parameters.
         if not self.offload_activations:
             return args
         return jax.tree.map(
-            lambda x: jax.device_put(x, x.sharding.with_memory_kind("pinned_host")) if isinstance(x, jax.Array) else x, args
+            lambda x: jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
+            if isinstance(x, jax.Array) and x.committed else x,
+            args,
         )
 
     def _unpark(self, args: Any) -> Any:
         if not self.offload_activations:
             return args
         return jax.tree.map(
-            lambda x: jax.device_put(x, x.sharding.with_memory_kind("device")) if isinstance(x, jax.Array) else x, args
+            lambda x: jax.device_put(x, x.sharding.with_memory_kind("device"))
+            if isinstance(x, jax.Array) and x.sharding.memory_kind == "pinned_host" else x,
+            args,
         )
 
     def held_device_bytes(self) -> int:
