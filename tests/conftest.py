@@ -3,7 +3,10 @@
 The device count must be fixed before JAX initialises its backends, so it is
 set here, at import time, before any test module imports jax.
 """
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -12,6 +15,22 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
+
+# Many tests build engines of the same small models: share their compiled programs
+# through a persistent compilation cache that lives for this test session only.
+_CACHE = tempfile.mkdtemp(prefix="zinf-test-jax-cache-")
+jax.config.update("jax_compilation_cache_dir", _CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+atexit.register(shutil.rmtree, _CACHE, True)
+
+
+@pytest.fixture
+def no_persistent_cache():
+    """Compile for real (tests that count compilations)."""
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield
+    jax.config.update("jax_enable_compilation_cache", True)
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """Builds a StreamedModel over a chosen param tier, and reads its gradients back."""
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from zinf_jax.engine.adapters import LinenAdapter, NnxAdapter
@@ -22,11 +23,27 @@ def open_param_tier(kind, mesh, path=None):
     return NvmeTier(path)
 
 
-def build(adapter, tier_kind, *, threshold, path=None, depth=2, mesh=None, compute_dtype="float32", **kw):
+def fill_random(store, seed=0):
+    """Random parameters straight into the store: for tests about memory and compilation, not values."""
+    rng = np.random.default_rng(seed)
+    futures = []
+    for path, lay in store.layouts.items():
+        value = (rng.standard_normal(lay.stored_shape) * 0.05).astype(np.float32)
+        futures += store.put_array(path, jax.device_put(value, store.sharding(path)))
+    for f in futures:
+        f.result()
+    store.commit()
+
+
+def build(adapter, tier_kind, *, threshold, path=None, depth=2, mesh=None, compute_dtype="float32",
+          init="model", **kw):
     mesh = mesh or make_mesh()
     lays = plan_partition(adapter.abstract_params, mesh, threshold)
     store = ParamStore(open_param_tier(tier_kind, mesh, path), lays, mesh, compute_dtype)
-    init_unit_by_unit(adapter, store)
+    if init == "model":
+        init_unit_by_unit(adapter, store)
+    else:
+        fill_random(store)
     return StreamedModel(adapter, store, prefetch_depth=depth, **kw)
 
 

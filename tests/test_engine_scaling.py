@@ -38,7 +38,7 @@ class _CompileLog(logging.Handler):
 
 def _count_compiles(n_layers):
     cfg, ctor = _ctor(n_layers)
-    sm = build(nnx_adapter(ctor, THRESHOLD), "device", threshold=THRESHOLD)
+    sm = build(nnx_adapter(ctor, THRESHOLD), "device", threshold=THRESHOLD, init="random")
     glue = sm.store.fetch(sm.adapter.glue_paths)
     batch = _batch(cfg, sm.mesh)
     sm.forward_backward(lm_loss, batch, glue, has_aux=False)  # plan + warm the glue ops
@@ -58,7 +58,7 @@ def _count_compiles(n_layers):
     return len(handler.messages), len(sm.programs)
 
 
-def test_compilations_constant_in_depth():
+def test_compilations_constant_in_depth(no_persistent_cache):
     c4, p4 = _count_compiles(4)
     c16, p16 = _count_compiles(16)
     assert p4 == p16 == 6  # embed fwd/bwd, block fwd/bwd, head (attend) fwd/bwd
@@ -69,7 +69,7 @@ def test_peak_device_memory_flat_in_depth():
     peaks, live, model_bytes = {}, {}, {}
     for n in (4, 8, 16):
         cfg, ctor = _ctor(n, d_model=64)
-        sm = build(nnx_adapter(ctor, THRESHOLD), "cpu", threshold=THRESHOLD, depth=1,
+        sm = build(nnx_adapter(ctor, THRESHOLD), "cpu", threshold=THRESHOLD, depth=1, init="random",
                    offload_activations=True, track_live_arrays=True)
         glue = sm.store.fetch(sm.adapter.glue_paths)
         batch = _batch(cfg, sm.mesh)

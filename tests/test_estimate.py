@@ -22,7 +22,6 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from jax.experimental.compilation_cache import compilation_cache
 
 import zinf_jax as zinf
 from models import GPT, ConvNet, GPTConfig, lm_loss
@@ -118,21 +117,6 @@ def measure(param: str, opt: str, path) -> tuple[dict, dict]:
 
 def close(est: int, true: int) -> bool:
     return abs(est - true) <= SLACK if true == 0 or est == 0 else abs(est - true) <= REL * true
-
-
-@pytest.fixture(scope="module", autouse=True)
-def shared_compilations(tmp_path_factory):
-    """The engines here compile the same unit programs: share them through a persistent cache (this module only)."""
-    keys = {"jax_compilation_cache_dir": str(tmp_path_factory.mktemp("jax_cache")),
-            "jax_persistent_cache_min_compile_time_secs": 0.0, "jax_persistent_cache_min_entry_size_bytes": 0}
-    old = {k: jax.config.values[k] for k in keys}
-    compilation_cache.reset_cache()
-    for k, v in keys.items():
-        jax.config.update(k, v)
-    yield
-    for k, v in old.items():
-        jax.config.update(k, v)
-    compilation_cache.reset_cache()
 
 
 @pytest.fixture(scope="module")

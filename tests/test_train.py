@@ -136,3 +136,13 @@ def test_nan_gradient_skips_step(tmp_path):
     after = flat_params(eng.params())
     assert all(after[p].tobytes() == before[p].tobytes() for p in before)
     eng.close()
+
+
+def test_offloaded_activation_checkpoints_give_the_same_losses(tmp_path):
+    """zinf_jax.models.GPT feeds an uncommitted jnp.arange to its position unit: parking must keep it usable."""
+    runs = []
+    for offload in (False, True):
+        eng = engine(tmp_path, param="none", opt="cpu", offload_activations=offload)
+        runs.append([eng.train_step(b)["loss"] for b in batches(2)])
+        eng.close()
+    assert runs[0] == runs[1]
