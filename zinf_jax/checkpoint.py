@@ -142,7 +142,7 @@ def save(engine: Any, directory: str | os.PathLike, *, user_state: Mapping[str, 
     Returns:
       The step directory.
     """
-    root = Path(directory)
+    root = Path(directory).absolute()  # orbax wants absolute paths
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{engine.step:08d}"
     if (final / META).exists():
@@ -197,7 +197,7 @@ def restore_into(engine: Any, step_dir: str | os.PathLike) -> dict[str, Any]:
     Raises:
       CheckpointError: the checkpoint belongs to another model.
     """
-    step_dir = Path(step_dir)
+    step_dir = Path(step_dir).absolute()
     meta = read_meta(step_dir)
     mine, theirs = _signature(engine), meta["params"]
     if mine != theirs:
