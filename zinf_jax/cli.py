@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 
 __all__ = ["main"]
@@ -52,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     from zinf_jax.tiers import TierError
     from zinf_jax.units import UnitPolicyError
 
+    if a.command == "train" and "JAX_NUM_CPU_DEVICES" not in os.environ:
+        import jax  # without an accelerator, train on a mesh of 8 XLA host devices (before backends start)
+
+        jax.config.update("jax_num_cpu_devices", 8)
     try:
         if a.command == "train":
             from zinf_jax.train import TrainArgs, train

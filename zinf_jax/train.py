@@ -48,6 +48,8 @@ class TrainArgs:
       config: a zinf config JSON (``ZeroConfig.to_dict`` form) overriding the tier flags.
       deepspeed_config: a DeepSpeed JSON config (stage 3) instead.
       seed: initialisation and data seed.
+      persistence_threshold: parameters with at most this many elements are not
+        sharded (small, so that the demo model's blocks really are partitioned).
       progress: draw the live progress line.
     """
 
@@ -70,6 +72,7 @@ class TrainArgs:
     config: str | None = None
     deepspeed_config: str | None = None
     seed: int = 0
+    persistence_threshold: int = 1024
     progress: bool = True
 
 
@@ -92,7 +95,7 @@ def build_config(args: TrainArgs) -> ZeroConfig:
         os.makedirs(nvme, exist_ok=True)
     off = lambda d: Offload(d, path=nvme if d == "nvme" else None)  # noqa: E731
     return ZeroConfig(offload_param=off(args.param_device), offload_optimizer=off(args.optimizer_device),
-                      gradient_clipping=args.clip, seed=args.seed)
+                      gradient_clipping=args.clip, seed=args.seed, persistence_threshold=args.persistence_threshold)
 
 
 def _human(n: float) -> str:
