@@ -50,26 +50,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 
+from bench_tiers import drop_cache  # noqa: E402  (same folder: fsync + fadvise every file)
+
 GiB, MiB, GB = 1 << 30, 1 << 20, 1e9
 REPO = Path(__file__).resolve().parent.parent
-
-
-def drop_cache(root: Path) -> int:
-    """fsync + ``posix_fadvise(DONTNEED)`` every file under ``root``; returns the file count."""
-    n = 0
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            try:
-                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                n += 1
-            finally:
-                os.close(fd)
-    return n
 
 
 def raw_bandwidth(d: Path, total: int, block: int, streams: int) -> tuple[float, float]:
