@@ -16,7 +16,8 @@ measures, in one run:
   ``posix_fadvise(DONTNEED)`` over every file of the tier); it reads and writes
   24 B per parameter (gradients stay in RAM). The raw disk bandwidth comes
   from ``O_DIRECT`` writes then reads of files of the same total size, in the
-  same directory, with 1 and ``--threads`` streams (the faster counts).
+  same directory (fresh files and overwritten in place, before and after
+  the steps), with 1 and ``--threads`` streams (the fastest counts).
   ``ratio = (read_bytes / raw_read + write_bytes / raw_write) / step_time``;
   target >= 0.8 (the Adam kernel hidden behind the I/O).
 * **overlap**: the same steps with the Adam kernel replaced by a no-op (the
@@ -56,16 +57,17 @@ GiB, MiB, GB = 1 << 30, 1 << 20, 1e9
 REPO = Path(__file__).resolve().parent.parent
 
 
-def raw_bandwidth(d: Path, total: int, block: int, streams: int) -> tuple[float, float]:
-    """O_DIRECT write (then fsync) and read of ``streams`` files totalling ``total`` bytes; GB/s each."""
+def raw_bandwidth(d: Path, total: int, block: int, streams: int) -> tuple[float, float, float]:
+    """O_DIRECT writes (then fsync) of ``streams`` fresh files totalling ``total`` bytes, the same
+    over the existing files in place, then reads; GB/s each (write, overwrite, read)."""
     d.mkdir(parents=True, exist_ok=True)
     per = max(block, total // streams // block * block)
     bufs = [mmap.mmap(-1, block) for _ in range(streams)]
     for b in bufs:
         np.frombuffer(b, np.uint8)[:] = 7
 
-    def write(i: int) -> None:
-        fd = os.open(d / f"raw_{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    def write(i: int, fresh: bool = True) -> None:
+        fd = os.open(d / f"raw_{i}", os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if fresh else 0) | os.O_DIRECT, 0o644)
         try:
             for off in range(0, per, block):
                 os.pwrite(fd, bufs[i], off)
@@ -82,15 +84,30 @@ def raw_bandwidth(d: Path, total: int, block: int, streams: int) -> tuple[float,
         finally:
             os.close(fd)
 
+    def overwrite(i: int) -> None:
+        write(i, fresh=False)
+
     out = []
-    for fn in (write, read):
+    for fn in (write, overwrite, read):
         drop_cache(d)
         t0 = time.perf_counter()
         with ThreadPoolExecutor(streams) as ex:
             list(ex.map(fn, range(streams)))
         out.append(per * streams / (time.perf_counter() - t0) / GB)
     shutil.rmtree(d)
-    return out[0], out[1]
+    return out[0], out[1], out[2]
+
+
+def measure_raw(d: Path, total: int, threads: int, earlier: dict | None = None) -> dict:
+    """Raw bandwidth with 1 and ``threads`` streams (merged with an earlier measurement, labelled)."""
+    raw = dict(earlier or {})
+    tag = "after" if earlier else "before"
+    for streams in sorted({1, threads}):
+        w, o, r = raw_bandwidth(d, total, 64 * MiB, streams)
+        raw[f"{tag}_{streams}stream"] = {"write_gbps": w, "overwrite_gbps": o, "read_gbps": r}
+        print(f"raw {tag}, {streams} stream(s): write {w:.2f} (overwrite {o:.2f}) GB/s, read {r:.2f} GB/s",
+              flush=True)
+    return raw
 
 
 class DiskStats:
@@ -224,6 +241,7 @@ def main() -> int:
     res: dict = {"host": platform.node(), "python": sys.version.split()[0], "cpus": os.cpu_count(),
                  "dir": str(work), "params": n, "state_bytes": state_bytes, "args": vars(args)}
     try:
+        raw_before = measure_raw(work / "raw", state_bytes, args.threads)
         (tdir := work / "tier").mkdir()
         tier = NvmeTier(tdir, process_index=0, max_in_flight_bytes=2 * GiB, direct_io=args.direct_io)
         opt = StreamedAdam(adamw(1e-4, weight_decay=0.01, clip_norm=1.0), tier, layouts,
@@ -297,12 +315,8 @@ def main() -> int:
         res["io_only_step_s"] = io_only
         tier.close()
 
-        raw = {}
-        for streams in sorted({1, args.threads}):
-            w, r = raw_bandwidth(work / "raw", state_bytes, 64 * MiB, streams)
-            raw[f"{streams}stream"] = {"write_gbps": w, "read_gbps": r}
-            print(f"raw {streams} stream(s): write {w:.2f} GB/s, read {r:.2f} GB/s", flush=True)
-        raw_w = max(v["write_gbps"] for v in raw.values())
+        raw = measure_raw(work / "raw", state_bytes, args.threads, raw_before)
+        raw_w = max(max(v["write_gbps"], v["overwrite_gbps"]) for v in raw.values())
         raw_r = max(v["read_gbps"] for v in raw.values())
         res["raw"] = {**raw, "write_gbps": raw_w, "read_gbps": raw_r}
 

@@ -4,26 +4,28 @@ For each shard size the script measures, on the same directory and with a cold
 page cache:
 
 * raw write: ``O_DIRECT`` writes of fresh files from page-aligned (mmap) buffers,
-  then ``fsync``; with 1 stream and with ``--threads`` streams;
+  then ``fsync``; with 1 stream and with ``--threads`` streams; and the same
+  into the existing files in place (``overwrite``: no block allocation, which
+  is what the tier does from its third commit on);
 * raw read: ``O_DIRECT`` reads into page-aligned buffers (1 and ``--threads`` streams);
 * tier write: ``NvmeTier.put`` of ``--keys`` keys x N shards, all in flight, then
   ``commit`` (fsync on, the crash-safe setting);
 * tier cold read: ``NvmeTier.get(..., out=preallocated)`` of every shard, all in
   flight, after ``posix_fadvise(DONTNEED)`` over every file under the tier dir
-  (``buffered``), or with the tier opened with ``direct_io=True`` (``direct``);
-  ``legacy`` is ``buffered`` with the first version's settings (chunk = one
-  shard, tensorstore's default I/O concurrency), for before/after comparisons.
+  (``buffered``), or with the tier opened with ``direct_io=True`` (``direct``).
 
 Raw and tier runs alternate rep by rep, because a shared disk drifts. It records
 per-rep GB/s, medians, and the ratio tier/raw as the median over reps of
-tier / raw of the same rep (raw = the faster of 1 and N streams) in a JSON file. The target is ratio >= 0.8 for
-shards of 64 MiB and more.
+tier / raw of the same rep and kind (raw = the faster of 1 and N streams; the
+tier's first two reps create its slots' files and are compared with fresh raw
+writes, later reps overwrite in place and are compared with raw overwrites) in
+a JSON file. The target is ratio >= 0.8 for shards of 64 MiB and more.
 
 Usage::
 
-    python scripts/bench_tiers.py [--sizes 4,16,64,256] [--total 1GiB] [--reps 3]
+    python scripts/bench_tiers.py [--sizes 4,16,64,256] [--total 1GiB] [--reps 7]
         [--dir DIR] [--out results/bench_tiers.json] [--modes buffered,direct]
-        [--chunk-mib 16] [--io-concurrency 32]    # tier options (0 MiB: chunk = shard)
+        [--chunk-mib 16] [--read-threads 4] [--write-threads 4]   # tier options (0 MiB: chunk = shard)
 """
 from __future__ import annotations
 
@@ -99,15 +101,20 @@ def drop_cache(root: Path) -> int:
 # ------------------------------------------------------------------ raw disk
 
 
-def raw_write(d: Path, size: int, nfiles: int, threads: int, bufs: list[mmap.mmap]) -> float:
-    """Writes ``nfiles`` fresh files of ``size`` bytes with O_DIRECT + fsync; GB/s."""
-    for i in range(nfiles):
-        (d / f"raw_{i}").unlink(missing_ok=True)
+def raw_write(d: Path, size: int, nfiles: int, threads: int, bufs: list[mmap.mmap], fresh: bool = True) -> float:
+    """Writes ``nfiles`` files of ``size`` bytes with O_DIRECT + fsync; GB/s.
+
+    ``fresh``: new files (blocks allocated as they are written); else in place
+    over the files of the previous call.
+    """
+    if fresh:
+        for i in range(nfiles):
+            (d / f"raw_{i}").unlink(missing_ok=True)
     os.sync()
 
     def one(i: int) -> None:
         mv = memoryview(bufs[i % len(bufs)])
-        fd = os.open(d / f"raw_{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        fd = os.open(d / f"raw_{i}", os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if fresh else 0) | os.O_DIRECT, 0o644)
         try:
             off = 0
             while off < size:
@@ -180,10 +187,6 @@ def _check_roundtrip(tier, keys, nshards, src, outs) -> None:
                 raise AssertionError(f"tier read back wrong data for {keys[k]}[{i}]")
 
 
-# the tier as first written: chunk = one shard, tensorstore's default shared file-I/O pool
-_LEGACY = {"chunk_bytes": 1 << 62, "io_concurrency": None}
-
-
 def _stat(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "reps": xs}
 
@@ -210,8 +213,7 @@ def bench_size(root: Path, size: int, total: int, reps: int, threads: int, nkeys
     tiers = {}
     for mode in modes:
         (root / f"tier_{mode}").mkdir()
-        opts = dict(tier_opts, **_LEGACY) if mode == "legacy" else tier_opts
-        tiers[mode] = NvmeTier(root / f"tier_{mode}", process_index=0, direct_io=(mode == "direct"), **opts)
+        tiers[mode] = NvmeTier(root / f"tier_{mode}", process_index=0, direct_io=(mode == "direct"), **tier_opts)
         for key in keys:
             tiers[mode].declare(key, ShardSpec(shard_shape=shape, dtype="float32", num_shards=nshards))
 
@@ -219,6 +221,7 @@ def bench_size(root: Path, size: int, total: int, reps: int, threads: int, nkeys
     for rep in range(reps):
         for n in streams:
             runs.setdefault(f"raw_write_{n}stream", []).append(raw_write(raw_dir, size, nfiles, n, bufs))
+            runs.setdefault(f"raw_overwrite_{n}stream", []).append(raw_write(raw_dir, size, nfiles, n, bufs, False))
             runs.setdefault(f"raw_read_{n}stream", []).append(raw_read(raw_dir, size, nfiles, n, bufs))
         for mode, tier in tiers.items():
             w, r = tier_round(tier, keys, nshards, src, outs, rep)
@@ -233,16 +236,28 @@ def bench_size(root: Path, size: int, total: int, reps: int, threads: int, nkeys
     for b in bufs:
         b.close()
 
-    for op in ("write", "read"):
-        raw_rep = [max(runs[f"raw_{op}_{n}stream"][i] for n in streams) for i in range(reps)]
+    for n in streams:
+        res[f"raw_overwrite_{n}stream_gbps"] = _stat(runs[f"raw_overwrite_{n}stream"])
+    # The tier's first two commits create the files of its two slots; later ones overwrite them in
+    # place. Each tier rep is compared with the raw run of the same kind in the same rep.
+    tier_kind = ["write" if i < 2 else "overwrite" for i in range(reps)]
+    best = {k: [max(runs[f"raw_{k}_{n}stream"][i] for n in streams) for i in range(reps)]
+            for k in ("write", "overwrite", "read")}
+    res["tier_write_kind_per_rep"] = tier_kind
+    for op in ("write", "overwrite", "read"):
         for n in streams:
             res[f"raw_{op}_{n}stream_gbps"] = _stat(runs[f"raw_{op}_{n}stream"])
-        res[f"raw_{op}_gbps"] = _stat(raw_rep)
+        res[f"raw_{op}_gbps"] = _stat(best[op])
+    for op in ("write", "read"):
+        raw_rep = [best[tier_kind[i] if op == "write" else "read"][i] for i in range(reps)]
         for mode in modes:
             t = runs[f"tier_{mode}_{op}"]
+            ratios = [a / b for a, b in zip(t, raw_rep)]
             res.setdefault(f"tier_{mode}", {})[f"{op}_gbps"] = _stat(t)
-            res[f"tier_{mode}"][f"{op}_ratio"] = statistics.median(a / b for a, b in zip(t, raw_rep))
-    summary = [f"raw write {res['raw_write_gbps']['median']:.3f} read {res['raw_read_gbps']['median']:.3f} GB/s"]
+            res[f"tier_{mode}"][f"{op}_ratio"] = statistics.median(ratios)
+            res[f"tier_{mode}"][f"{op}_ratio_per_rep"] = ratios
+    summary = [f"raw write {res['raw_write_gbps']['median']:.3f} (overwrite {res['raw_overwrite_gbps']['median']:.3f}) "
+               f"read {res['raw_read_gbps']['median']:.3f} GB/s"]
     for mode in modes:
         m = res[f"tier_{mode}"]
         summary.append(f"tier {mode}: write {m['write_gbps']['median']:.3f} ({m['write_ratio']:.0%}) "
@@ -255,15 +270,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="4,16,64,256", help="shard sizes in MiB, comma-separated")
     p.add_argument("--total", default="1GiB", help="bytes written and read per size and rep")
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=7)
     p.add_argument("--threads", type=int, default=4, help="raw I/O streams (compared with 1 stream)")
     p.add_argument("--keys", type=int, default=4, help="tier keys (shards of all keys are in flight together)")
     p.add_argument("--modes", default="buffered,direct",
-                   help="tier modes: buffered (cold via fadvise), direct (direct_io=True), "
-                        "legacy (buffered, chunk = shard, default concurrency: the tier before tuning)")
+                   help="tier modes: buffered (cold via fadvise), direct (direct_io=True)")
     p.add_argument("--inflight", default="1GiB", help="tier max_in_flight_bytes")
     p.add_argument("--chunk-mib", type=float, default=None, help="tier chunk_bytes in MiB (0: chunk = shard)")
-    p.add_argument("--io-concurrency", type=int, default=None, help="tier io_concurrency")
+    p.add_argument("--read-threads", type=int, default=None, help="tier read_threads")
+    p.add_argument("--write-threads", type=int, default=None, help="tier write_threads")
     p.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir under cwd)")
     p.add_argument("--out", default="results/bench_tiers.json")
     a = p.parse_args(argv)
@@ -278,8 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     tier_opts: dict = {"max_in_flight_bytes": _parse_bytes(a.inflight)}
     if a.chunk_mib is not None:
         tier_opts["chunk_bytes"] = int(a.chunk_mib * MiB) if a.chunk_mib > 0 else 1 << 62
-    if a.io_concurrency is not None:
-        tier_opts["io_concurrency"] = a.io_concurrency
+    for opt in ("read_threads", "write_threads"):
+        if getattr(a, opt) is not None:
+            tier_opts[opt] = getattr(a, opt)
     need = int(total * (1.2 + 2.1 * len(a.modes.split(","))))  # raw files + both slots of every tier
     free = shutil.disk_usage(base).free
     if free < need:

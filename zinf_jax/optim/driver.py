@@ -34,6 +34,7 @@ from zinf_jax.optim.adam import AdamSpec, adam_update_shard
 from zinf_jax.optim.kernel import all_finite, sum_squares
 from zinf_jax.optim.scaling import LossScaler, grad_scale, init_loss_scale, update_loss_scale
 from zinf_jax.tiers.base import ShardSpec, Tier
+from zinf_jax.tiers.direct import aligned_empty
 
 if TYPE_CHECKING:
     from zinf_jax.config import LossScaleConfig
@@ -60,7 +61,9 @@ class _BufferSet:
     """float32 buffers for one sub-group (master, m, v) and the futures still using them."""
 
     def __init__(self, size: int):
-        self.arrays, self.pending = tuple(np.empty(size, np.float32) for _ in STATES), []
+        # page-aligned: the nvme tier reads and writes them with direct I/O, without staging copies
+        self.arrays = tuple(aligned_empty(4 * size).view(np.float32) for _ in STATES)
+        self.pending: list[Future] = []
 
 
 @dataclasses.dataclass

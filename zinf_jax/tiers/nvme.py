@@ -9,6 +9,10 @@ host's disk)::
                                      (cut along leading dims into pieces of <= chunk_bytes)
     path/process_<p>/data/<key>/s1   the other slot
 
+Chunk files are read and written by :class:`~zinf_jax.tiers.direct.ChunkIO`
+(direct I/O, in place, in zarr3's own layout); tensorstore creates and
+validates the arrays, and plain tensorstore (or any zarr3 reader) opens them.
+
 Crash safety comes from double buffering: a key's writes in a new generation go
 to the slot the manifest does *not* point at; :meth:`NvmeTier.commit` waits for
 the (fsynced) writes and then replaces the manifest atomically (write, fsync,
@@ -26,12 +30,13 @@ import shutil
 import threading
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 import tensorstore as ts
 
 from zinf_jax.tiers.base import ByteBudget, ShardSpec, TierError, np_dtype
+from zinf_jax.tiers.direct import ZARR3_CODECS, ZARR3_KEY_ENCODING, ChunkIO, aligned_empty, chunk_ranges
 
 __all__ = ["NvmeTier", "read_manifest", "MANIFEST"]
 
@@ -95,6 +100,27 @@ def _syncfs(path: Path) -> None:
         os.close(fd)
 
 
+def _all_of(futs: Sequence[Future]) -> Future:
+    """A future resolving when all of ``futs`` have, with the first exception if any failed."""
+    out: Future = Future()
+    left = [len(futs)]
+    lock = threading.Lock()
+
+    def one(_: Future) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            err = next((f.exception() for f in futs if f.exception() is not None), None)
+            out.set_exception(err) if err is not None else out.set_result(None)
+
+    if not futs:
+        out.set_result(None)
+    for f in futs:
+        f.add_done_callback(one)
+    return out
+
+
 def _safe(key: str) -> str:
     parts = [re.sub(r"[^A-Za-z0-9._-]", "_", p) or "_" for p in key.split("/")]
     return "/".join(p if p not in (".", "..") else "_" + p for p in parts)
@@ -107,15 +133,16 @@ class NvmeTier:
       path: an existing, writable directory on a local disk.
       process_index: this process's index (default ``jax.process_index()``).
       max_in_flight_bytes: bound on bytes of reads and writes in flight.
-      direct_io: bypass the page cache (``O_DIRECT``) so reads measure the disk.
+      direct_io: read with ``O_DIRECT`` too, bypassing the page cache, so reads
+        measure the disk. Writes always use ``O_DIRECT`` where the file system
+        allows it.
       sync: how writes are made durable before a commit publishes them: ``"write"``/``True``
-        (default: tensorstore fsyncs every chunk file, flushes overlap), ``"commit"``
-        (buffered writes, one ``syncfs`` at commit: measured slower here, 37-43%
-        of raw write vs 58-72%), ``False`` (not durable; benchmarks only).
+        (default: every chunk file is ``fdatasync``-ed as it is written), ``"commit"``
+        (one ``syncfs`` at commit), ``False`` (not durable; benchmarks only).
       chunk_bytes: shards larger than this are stored as several chunk files
         (written, synced and read concurrently).
-      io_concurrency: file operations tensorstore runs at once for this tier
-        (``None``: tensorstore's shared default pool).
+      read_threads: chunk files read at once.
+      write_threads: chunk files written at once.
 
     Raises:
       TierError: the path is missing, not a directory or not writable, or
@@ -133,7 +160,8 @@ class NvmeTier:
         direct_io: bool = False,
         sync: bool | str = "write",
         chunk_bytes: int = 16 << 20,
-        io_concurrency: int | None = 32,
+        read_threads: int = 4,
+        write_threads: int = 4,
     ):
         root = Path(path)
         _check_dir(root)
@@ -164,12 +192,8 @@ class NvmeTier:
         if sync not in (True, False, "write", "commit"):
             raise ValueError(f"nvme tier sync must be 'commit', 'write' (True) or False, got {sync!r}")
         self._sync_at_commit = sync == "commit"
-        ctx: dict[str, Any] = {"file_io_sync": sync in (True, "write")}
-        if io_concurrency is not None:
-            ctx["file_io_concurrency"] = {"limit": int(io_concurrency)}
-        if direct_io:
-            ctx["file_io_mode"] = {"mode": "direct"}
-        self._ctx = ts.Context(ctx)
+        self._io = ChunkIO(read_threads, write_threads, sync=sync in (True, "write"), direct_read=direct_io)
+        self._ctx = ts.Context({"cache_pool": {"total_bytes_limit": 0}})  # chunk data never goes through tensorstore
         man = read_manifest(self.dir)
         self._generation = int(man["generation"])
         self._meta: dict[str, Any] = dict(man.get("metadata", {}))
@@ -222,19 +246,24 @@ class NvmeTier:
         if fresh:  # an existing array keeps the chunking it was created with
             chunk = _chunk_shape(spec.shard_shape, np.dtype(np_dtype(spec.dtype)).itemsize, self._chunk_bytes)
             meta["chunk_grid"] = {"name": "regular", "configuration": {"chunk_shape": [1, *chunk]}}
-        path = self.dir / "data" / _safe(key) / f"s{slot}"
+            meta["chunk_key_encoding"] = ZARR3_KEY_ENCODING
+            meta["codecs"] = ZARR3_CODECS
+        ts_spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(self._slot_dir(key, slot))}, "metadata": meta}
         try:
-            h = ts.open(
-                {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)}, "metadata": meta},
-                create=fresh,
-                delete_existing=fresh,
-                open=not fresh,
-                context=self._ctx,
-            ).result()
+            if fresh:  # an uncommitted slot: reuse its files if the layout matches, else start over
+                try:
+                    h = ts.open(ts_spec, open=True, context=self._ctx).result()
+                except ValueError:
+                    h = ts.open(ts_spec, create=True, delete_existing=True, context=self._ctx).result()
+            else:
+                h = ts.open(ts_spec, open=True, context=self._ctx).result()
         except Exception as e:  # tensorstore raises ValueError/OSError subclasses
             raise self._error(e, "opening", key, None) from e
         self._handles[(key, slot)] = h
         return h
+
+    def _slot_dir(self, key: str, slot: int) -> Path:
+        return self.dir / "data" / _safe(key) / f"s{slot}"
 
     def _error(self, e: Exception, what: str, key: str, index: int | None) -> TierError:
         msg = str(e)
@@ -281,6 +310,8 @@ class NvmeTier:
     def put(self, key: str, index: int, value: Any) -> Future:
         spec = self._check(key, index)
         arr = np.asarray(value, dtype=np_dtype(spec.dtype))
+        if not arr.flags.c_contiguous:  # (np.ascontiguousarray would turn a scalar shard into shape (1,))
+            arr = arr.copy(order="C")
         if arr.shape != spec.shard_shape:
             raise TierError(f"nvme tier: shard of {key!r} has shape {arr.shape}, declared {spec.shard_shape}")
         with self._lock:
@@ -298,17 +329,35 @@ class NvmeTier:
             raise
         self.budget.acquire(arr.nbytes)
         try:
-            wf = h[index].write(arr)
+            parts = self._write_chunks(key, slot, index, h, arr)
         except Exception as e:
             self.budget.release(arr.nbytes)
             err = self._error(e, "writing", key, index)
             with self._lock:
                 self._failed.append(err)
             raise err from e
-        fut = self._track(wf.commit, arr.nbytes, "writing", key, index)
+        fut = self._track(_all_of(parts), arr.nbytes, "writing", key, index)
         with self._lock:
             self._inflight[(key, index)] = fut
         return fut
+
+    def _chunk_files(
+        self, key: str, slot: int, index: int, h: ts.TensorStore, arr: np.ndarray
+    ) -> Iterator[tuple[Path, np.ndarray, int]]:
+        """``(file, bytes of arr, padded file size)`` per chunk of shard ``index``, as the array was created."""
+        chunk = list(h.chunk_layout.write_chunk.shape)[1:]
+        flat = arr.reshape(-1).view(np.uint8)
+        size = arr.dtype.itemsize
+        base = self._slot_dir(key, slot) / "c" / str(index)
+        for grid, start, count, padded in chunk_ranges(arr.shape, chunk):
+            yield base.joinpath(*map(str, grid)), flat[start * size : (start + count) * size], padded * size
+
+    def _write_chunks(self, key: str, slot: int, index: int, h: ts.TensorStore, arr: np.ndarray) -> list[Future]:
+        futs = []
+        for path, data, padded in self._chunk_files(key, slot, index, h, arr):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            futs.append(self._io.write(path, data, padded))
+        return futs
 
     def _read_slot(self, key: str, index: int) -> int:
         with self._lock:
@@ -325,13 +374,20 @@ class NvmeTier:
 
     def get(self, key: str, index: int, *, out: np.ndarray | None = None) -> Future:
         spec = self._check(key, index)
-        h = self._array(key, self._read_slot(key, index))[index]
+        slot = self._read_slot(key, index)
+        h = self._array(key, slot)
+        dtype = np_dtype(spec.dtype)
+        if out is None:  # page-aligned, so direct reads land in it without a copy
+            out = aligned_empty(spec.shard_nbytes).view(dtype).reshape(spec.shard_shape)
+        elif out.shape != spec.shard_shape or out.dtype != dtype or not out.flags.c_contiguous:
+            raise TierError(
+                f"nvme tier: out for {key!r} must be a C-contiguous {spec.dtype} array of shape "
+                f"{spec.shard_shape}, got {out.dtype} {out.shape}"
+            )
         self.budget.acquire(spec.shard_nbytes)
         try:
-            if out is None:
-                return self._track(h.read(), spec.shard_nbytes, "reading", key, index)
-            tsf = ts.array(out, copy=False, write=True).write(h)
-            return self._track(tsf.commit, spec.shard_nbytes, "reading", key, index, result=out)
+            futs = [self._io.read(path, data) for path, data, _ in self._chunk_files(key, slot, index, h, out)]
+            return self._track(_all_of(futs), spec.shard_nbytes, "reading", key, index, result=out)
         except Exception as e:
             self.budget.release(spec.shard_nbytes)
             raise self._error(e, "reading", key, index) from e
@@ -440,5 +496,6 @@ class NvmeTier:
         try:
             self.wait()
         finally:
+            self._io.close()
             fcntl.flock(self._lockf, fcntl.LOCK_UN)
             self._lockf.close()

@@ -1,0 +1,101 @@
+"""The NVMe tier writes chunk files itself: they must be exactly what tensorstore's zarr3 driver reads.
+
+The reference is plain tensorstore opening the slot directory the manifest
+names, with no zinf code in the read path.
+"""
+import json
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tensorstore as ts
+
+from zinf_jax.tiers import NvmeTier, ShardSpec, TierError
+from zinf_jax.tiers.direct import ALIGN, ChunkIO, aligned_empty, chunk_ranges
+
+CASES = [
+    # shard shape, dtype, chunk_bytes: cut on dim 0 with a partial last chunk; cut on an inner dim
+    # (leading dims become 1); scalar shards; a shard of one chunk; 1-byte and 2-byte types
+    ((37, 5, 3), "float32", 1024),
+    ((3, 1001), "bfloat16", 512),
+    ((), "int32", 1 << 20),
+    ((16, 16), "float16", 1 << 20),
+    ((9, 4099), "uint8", 8192),
+]
+
+
+def _plain_tensorstore(tier_dir, key):
+    man = json.loads((tier_dir / "MANIFEST.json").read_text())
+    slot = man["keys"][key]["slot"]
+    path = tier_dir / "data" / key / f"s{slot}"
+    return ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)}}, open=True).result()
+
+
+@pytest.mark.parametrize("direct_io", [False, True])
+@pytest.mark.parametrize("shape,dtype,chunk_bytes", CASES)
+def test_chunk_files_read_by_plain_tensorstore(tmp_path, shape, dtype, chunk_bytes, direct_io):
+    rng = np.random.default_rng(0)
+    np_t = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    vals = [(rng.standard_normal(shape) * 100).astype(np_t) for _ in range(3)]
+    tier = NvmeTier(tmp_path, process_index=0, chunk_bytes=chunk_bytes, direct_io=direct_io)
+    tier.declare("w", ShardSpec(shard_shape=shape, dtype=dtype, num_shards=3))
+    for gen in range(3):  # generations 2 and 3 overwrite the slots of generations 0 and 1 in place
+        for f in [tier.put("w", i, v + gen) for i, v in enumerate(vals)]:
+            f.result()
+        tier.commit({"gen": gen})
+        arr = _plain_tensorstore(tier.dir, "w")
+        got = arr.read().result()
+        want = np.stack([v + gen for v in vals])
+        assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
+        arr[1].write(want[1] * 2).result()  # and the tier reads what tensorstore writes
+        assert tier.get("w", 1).result().tobytes() == (want[1] * 2).tobytes()
+        arr[1].write(want[1]).result()
+    tier.close()
+    again = NvmeTier(tmp_path, process_index=0, chunk_bytes=chunk_bytes, direct_io=direct_io)
+    assert again.get("w", 2).result().tobytes() == (vals[2] + 2).tobytes()
+    with pytest.raises(TierError, match="C-contiguous"):
+        again.get("w", 2, out=np.empty(shape, np.float64))
+    again.close()
+
+
+def test_chunk_ranges_cover_the_shard_once():
+    for shape, chunk in [((37, 5, 3), (13, 5, 3)), ((3, 1001), (1, 256)), ((4, 2, 6), (1, 1, 6)), ((), ())]:
+        seen = np.zeros(int(np.prod(shape)), int)
+        for grid, start, count, padded in chunk_ranges(shape, chunk):
+            assert len(grid) == len(shape) and count <= padded
+            seen[start : start + count] += 1
+        assert (seen == 1).all()
+    with pytest.raises(ValueError, match="not contiguous"):
+        list(chunk_ranges((4, 6), (2, 3)))
+
+
+@pytest.mark.parametrize("nbytes,offset", [(3 * ALIGN, 0), (3 * ALIGN + 17, 0), (5000, 3), (20 << 10, 16)])
+def test_writer_pads_truncates_and_overwrites(tmp_path, nbytes, offset):
+    """Aligned sources are written without staging, unaligned ones through it; sizes are exact."""
+    w = ChunkIO(2, 2, block_bytes=2 * ALIGN)
+    src = aligned_empty(nbytes + offset)[offset:]
+    src[:] = np.arange(nbytes) % 251
+    path = tmp_path / "chunk"
+    path.write_bytes(b"\xff" * (nbytes * 2))  # an older, longer file is cut to size
+    w.write(path, src, nbytes + 100).result()
+    data = path.read_bytes()
+    assert len(data) == nbytes + 100
+    assert data[:nbytes] == src.tobytes() and data[nbytes:] == b"\0" * 100
+    for direct in (False, True):  # into an unaligned buffer, staged when direct
+        r = ChunkIO(1, 1, block_bytes=2 * ALIGN, direct_read=direct)
+        out = aligned_empty(nbytes + offset + 1)[offset + 1 :]
+        assert r.read(path, out).result() is out and out.tobytes() == src.tobytes()
+        r.close()
+    with pytest.raises(OSError, match="shorter"):
+        w.read(path, np.empty(nbytes + 200, np.uint8)).result()
+    w.close()
+
+
+def test_writes_bypass_the_page_cache_on_a_disk(tmp_path):
+    if os.uname().sysname != "Linux":
+        pytest.skip("O_DIRECT is Linux-specific")
+    w = ChunkIO(1, 1)
+    w.write(tmp_path / "c", aligned_empty(ALIGN * 4), ALIGN * 4).result()
+    assert w.direct_writes, "the test disk accepted no O_DIRECT write"
+    w.close()

@@ -1,0 +1,202 @@
+"""Reading and writing zarr3 chunk files with direct I/O, for the NVMe tier.
+
+tensorstore writes a chunk through the page cache into a temporary file, then
+fsyncs and renames it. On a small host that costs a kernel copy of every byte
+plus page-cache pressure, and the measured write bandwidth stayed at 58-72% of
+the raw disk (``scripts/bench_tiers.py``). The tier therefore moves the chunk
+files itself, in the exact layout tensorstore's ``zarr3`` driver reads and
+writes (uncompressed ``bytes`` codec, little endian, ``default`` chunk keys
+with ``/`` separators: ``<array>/c/<i0>/<i1>/...``); tensorstore creates and
+validates the arrays, and any zarr3 reader can open them.
+
+A chunk is written in place (``O_DIRECT`` where the file system allows it,
+buffered otherwise) from page-aligned blocks, by a small pool of threads, each
+with its own staging buffer; a block that is already page-aligned is written
+without the copy. Reads take the same route in reverse, straight into the
+caller's buffer: tensorstore's reader copies every chunk once more and reached
+only 74-78% of the raw disk on 256 MiB shards.
+
+Crash safety does not come from here: the tier only ever writes into the slot
+that the committed manifest does not name.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+__all__ = ["ChunkIO", "chunk_ranges", "aligned_empty", "ZARR3_CODECS", "ZARR3_KEY_ENCODING", "ALIGN"]
+
+ALIGN = 4096
+"""Alignment of direct-I/O offsets, lengths and buffers (covers 512 B and 4 KiB sectors)."""
+
+ZARR3_CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}]
+"""The codec chain the writer produces: raw little-endian C-order bytes, no compression."""
+
+ZARR3_KEY_ENCODING = {"name": "default", "configuration": {"separator": "/"}}
+"""Chunk key encoding the writer produces: ``c/<i0>/<i1>/...``."""
+
+
+def chunk_ranges(shard_shape: Sequence[int], chunk_shape: Sequence[int]) -> Iterator[tuple[tuple[int, ...], int, int, int]]:
+    """The chunks of one shard as contiguous element ranges of its C-order data.
+
+    Only the chunk shapes the tier creates are supported: ones on the leading
+    dims, one cut dim, then the full trailing dims (or the whole shard). Then
+    every chunk is one contiguous run of the shard's elements; the last chunk
+    along the cut dim may be partial and is padded in the file (zarr stores
+    full chunks).
+
+    Yields:
+      ``(grid_index, start, count, padded_count)`` in elements.
+
+    Raises:
+      ValueError: ``chunk_shape`` is not of that form.
+    """
+    shape, chunk = list(shard_shape), list(chunk_shape)
+    if len(shape) != len(chunk):
+        raise ValueError(f"chunk shape {chunk} does not match shard shape {shape}")
+    total = int(np.prod(shape, dtype=np.int64))
+    cut = max((d for d in range(len(shape)) if chunk[d] != shape[d]), default=None)
+    if cut is None:
+        yield tuple(0 for _ in shape), 0, total, total
+        return
+    if any(chunk[d] != 1 for d in range(cut)):
+        raise ValueError(f"chunk shape {chunk} of shard {shape} is not contiguous (ones, one cut dim, full dims)")
+    inner = int(np.prod(shape[cut + 1 :], dtype=np.int64))
+    pieces = -(-shape[cut] // chunk[cut])
+    lead = list(np.ndindex(*shape[:cut])) if cut else [()]
+    for outer_i, outer in enumerate(lead):
+        base = outer_i * shape[cut] * inner
+        for k in range(pieces):
+            rows = min(chunk[cut], shape[cut] - k * chunk[cut])
+            grid = (*outer, k) + tuple(0 for _ in shape[cut + 1 :])
+            yield grid, base + k * chunk[cut] * inner, rows * inner, chunk[cut] * inner
+
+
+def aligned_empty(nbytes: int) -> np.ndarray:
+    """An uninitialised uint8 array whose data starts on an ``ALIGN`` boundary."""
+    raw = np.empty(nbytes + ALIGN, np.uint8)
+    off = (-raw.ctypes.data) % ALIGN
+    return raw[off : off + nbytes]
+
+
+class ChunkIO:
+    """Thread pools reading and writing whole chunk files, with direct I/O where possible.
+
+    Reads and writes have separate pools, so read-ahead never queues behind
+    write-behind (the optimizer does both at once).
+
+    Args:
+      read_threads: chunk files read at once.
+      write_threads: chunk files written at once.
+      block_bytes: size of each I/O request and of each thread's staging buffer.
+      sync: ``fdatasync`` every written file before its future resolves (durable writes).
+      direct_read: read with ``O_DIRECT`` too (cold reads measure the disk, not
+        the page cache). Writes always try ``O_DIRECT``; a file system that
+        refuses it (tmpfs) gets buffered I/O instead.
+    """
+
+    def __init__(self, read_threads: int = 4, write_threads: int = 4, *, block_bytes: int = 8 << 20,
+                 sync: bool = True, direct_read: bool = False):
+        if block_bytes % ALIGN:
+            raise ValueError(f"block_bytes must be a multiple of {ALIGN}, got {block_bytes}")
+        self._readers = ThreadPoolExecutor(max(1, int(read_threads)), thread_name_prefix="zinf-nvme-read")
+        self._writers = ThreadPoolExecutor(max(1, int(write_threads)), thread_name_prefix="zinf-nvme-write")
+        self._block = int(block_bytes)
+        self._sync = bool(sync)
+        self._direct = {"write": True, "read": bool(direct_read)}
+        self._local = threading.local()
+
+    @property
+    def direct_writes(self) -> bool:
+        """Whether writes bypass the page cache (false after a file system refused ``O_DIRECT``)."""
+        return self._direct["write"]
+
+    def write(self, path: Path, data: np.ndarray, padded_nbytes: int) -> Future:
+        """Writes ``data`` (contiguous uint8) as the file ``path``, in place, zero-padded to ``padded_nbytes``.
+
+        The caller keeps ``data`` unchanged until the future resolves.
+        """
+        return self._writers.submit(self._write, path, data, padded_nbytes)
+
+    def read(self, path: Path, out: np.ndarray) -> Future:
+        """Reads the first ``out.nbytes`` bytes of the file ``path`` into ``out`` (contiguous uint8)."""
+        return self._readers.submit(self._read, path, out)
+
+    # --- workers --------------------------------------------------------------
+    def _stage(self) -> np.ndarray:
+        buf = getattr(self._local, "buf", None)
+        if buf is None:  # one per pool thread, freed with the pool
+            buf = self._local.buf = aligned_empty(self._block)
+        return buf
+
+    def _open(self, path: Path, mode: str) -> tuple[int, bool]:
+        flags = os.O_WRONLY | os.O_CREAT if mode == "write" else os.O_RDONLY
+        if self._direct[mode]:
+            try:
+                return os.open(path, flags | os.O_DIRECT, 0o644), True
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self._direct[mode] = False  # this file system has no direct I/O
+        return os.open(path, flags, 0o644), False
+
+    @staticmethod
+    def _direct_ok(buf: np.ndarray, n: int) -> bool:
+        return n % ALIGN == 0 and buf.nbytes == n and buf.ctypes.data % ALIGN == 0
+
+    def _write(self, path: Path, data: np.ndarray, padded: int) -> None:
+        fd, direct = self._open(path, "write")
+        try:
+            off = 0
+            while off < padded:
+                n = min(self._block, padded - off)
+                src = data[off : min(off + n, data.nbytes)]
+                if src.nbytes == n and (not direct or self._direct_ok(src, n)):
+                    buf = src  # written straight from the caller's memory
+                else:  # staged: unaligned, or the zero padding of the last chunk
+                    buf = self._stage()[: -(-n // ALIGN) * ALIGN if direct else n]
+                    np.copyto(buf[: src.nbytes], src)
+                    buf[src.nbytes :] = 0
+                mv, done = memoryview(buf), 0
+                while done < len(mv):
+                    done += os.pwrite(fd, mv[done:], off + done)
+                off += n
+            if os.fstat(fd).st_size != padded:
+                os.ftruncate(fd, padded)  # cuts the sector padding of the last block, or an old longer file
+            if self._sync:
+                os.fdatasync(fd)
+        finally:
+            os.close(fd)
+
+    def _read(self, path: Path, out: np.ndarray) -> np.ndarray:
+        fd, direct = self._open(path, "read")
+        try:
+            off = 0
+            while off < out.nbytes:
+                n = min(self._block, out.nbytes - off)
+                dst = out[off : off + n]
+                staged = direct and not self._direct_ok(dst, n)
+                buf = self._stage()[: -(-n // ALIGN) * ALIGN] if staged else dst
+                mv, done = memoryview(buf), 0
+                while done < n:
+                    got = os.preadv(fd, [mv[done:]], off + done)
+                    if got == 0:
+                        raise OSError(errno.EIO, f"chunk file {str(path)!r} is shorter than its array says")
+                    done += got
+                if staged:
+                    np.copyto(dst, buf[:n])
+                off += n
+        finally:
+            os.close(fd)
+        return out
+
+    def close(self) -> None:
+        """Waits for queued I/O and stops the threads (their staging buffers go with them)."""
+        self._readers.shutdown(wait=True)
+        self._writers.shutdown(wait=True)
