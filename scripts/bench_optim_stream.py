@@ -209,12 +209,6 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
     ap.add_argument("--threads", type=int, default=4, help="streams of the multi-stream raw baseline")
     ap.add_argument("--direct-io", action="store_true", help="open the tier with O_DIRECT")
-    ap.add_argument("--mmap-threshold", type=int, default=0,
-                    help="glibc mallopt(M_MMAP_THRESHOLD) in bytes (0: leave the allocator alone); large "
-                         "transient buffers are then returned to the OS at once instead of kept in arenas")
-    ap.add_argument("--malloc-trim", action="store_true",
-                    help="call glibc malloc_trim(0) after each step (untimed): returns the heap memory tensorstore's "
-                         "freed I/O buffers leave behind, which otherwise grows from step to step")
     ap.add_argument("--no-io-only", action="store_true", help="skip the I/O-only (no-op kernel) steps")
     ap.add_argument("--out", default=str(REPO / "results" / "bench_optim_stream.json"))
     ap.add_argument("--keep", action="store_true", help="keep the tier directory")
@@ -223,10 +217,6 @@ def main() -> int:
     from zinf_jax.optim import StreamedAdam, adamw, warmup
     from zinf_jax.tiers import NvmeTier
 
-    if args.mmap_threshold:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").mallopt(-3, int(args.mmap_threshold))  # M_MMAP_THRESHOLD
     warmup()
     base_dir = Path(args.dir) if args.dir else REPO / "results"
     base_dir.mkdir(parents=True, exist_ok=True)
@@ -279,10 +269,6 @@ def main() -> int:
                 met = opt.step(grad, write_param)
                 dt = time.perf_counter() - t0
             dd = disk.delta(d0)
-            if args.malloc_trim:
-                import ctypes
-
-                ctypes.CDLL("libc.so.6").malloc_trim(0)
             rec = {"step_s": dt, "rss_growth_sampled": rss.growth_sampled, "rss_growth_hwm": rss.growth_hwm,
                    "rss_peak_over_baseline": max(rss.peak, rss.base + (rss.growth_hwm or 0)) - rss_before_first,
                    "files_dropped": files, "metrics": met, "stats": dict(opt.last_stats),

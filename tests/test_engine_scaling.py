@@ -2,7 +2,6 @@
 import logging
 
 import jax
-import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -10,7 +9,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from engine_utils import build, nnx_adapter
 from models import GPT, GPTConfig, lm_loss
 from zinf_jax.engine.store import ParamMismatchError
-from zinf_jax.sharding import make_mesh
 
 THRESHOLD = 2000  # LayerNorms and the position table stay on device
 

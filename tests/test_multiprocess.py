@@ -6,7 +6,6 @@ import socket
 import subprocess
 import sys
 
-import jax
 import numpy as np
 from flax import nnx
 

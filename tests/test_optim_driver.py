@@ -17,6 +17,7 @@ import pytest
 
 from zinf_jax.config import LossScaleConfig
 from zinf_jax.optim import StreamedAdam, adamw, default_decay_mask, init_loss_scale, update_loss_scale
+from zinf_jax.optim.driver import sub_groups
 from zinf_jax.sharding import from_stored, make_mesh, plan_partition, to_stored
 from zinf_jax.tiers import CpuTier, NvmeTier
 
@@ -32,7 +33,7 @@ STEPS = 20
 RTOL = 1e-6
 CLIP = 1.0
 WD = 0.1
-SMALL, LARGE = 50, 1 << 20  # 50 divides no multi-chunk shard (320 -> 7 chunks, 74 -> 2)
+SMALL, LARGE = 50, 1 << 20  # 320 -> 7 chunks of 46 (last one padded), 74 -> 2 of 37
 
 
 def _sched():
@@ -361,3 +362,10 @@ def test_io_error_propagates_and_returns_buffers(layouts):
         _step(opt, layouts, _grads(0), _Writes())
     assert opt._live == 0 and len(opt._free) == len(opt._sets) <= 3
     assert opt.step_count == 0
+
+
+def test_sub_groups_are_near_equal():
+    """Padding is stored and moved every step: it stays under one element per sub-group."""
+    for numel, sgs in [(320, 50), (74, 50), (8_900_000, 8 << 20), (5, 1 << 20), (1, 1), (1 << 24, 1 << 22)]:
+        chunk, n = sub_groups(numel, sgs)
+        assert chunk <= sgs and n == -(-numel // sgs) and 0 <= n * chunk - numel < n

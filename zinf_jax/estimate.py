@@ -31,6 +31,7 @@ from flax import nnx
 
 from zinf_jax.config import ZeroConfig
 from zinf_jax.engine.adapters import LinenAdapter, NnxAdapter, _get
+from zinf_jax.optim.driver import sub_groups
 from zinf_jax.sharding import local_shard_devices, make_mesh, plan_partition
 from zinf_jax.tiers.nvme import _chunk_shape
 from zinf_jax.units import UnitPolicy
@@ -246,7 +247,7 @@ def estimate_from_sizes(
     act = batch * seq * h * c // P
     calls = [(0, batch * seq * 4 // P)] + [(1 + i, act) for i in range(layers)] + [(layers + 1 if untied else 0, act)]
     shard = max(4 * h * h, embed) // n_devices
-    chunk = min(shard, config.sub_group_size)
+    chunk = sub_groups(shard, config.sub_group_size)[0]
     a = heads or max(1, h // 64)  # per-layer activations (Korthikanti et al. 2022) + logits, log-softmax, grad
     workspace = (seq * batch * h * (34 + 5 * a * seq / h) * c / 2 + batch * seq * vocab * (c + 8)) / n_devices
     d = _Digest(
@@ -346,8 +347,9 @@ def estimate_from_model(
     item = {p: jnp.dtype(dtype_of(p)).itemsize for p in layouts}
     numel = {p: math.prod(lay.shard_shape) for p, lay in layouts.items()}
     local = {p: numel[p] * shards[p] for p in layouts}  # elements this process stores
-    chunk = {p: min(numel[p], config.sub_group_size) for p in layouts}
-    n_chunks = {p: -(-numel[p] // chunk[p]) for p in layouts}
+    chunk, n_chunks = {}, {}
+    for p in layouts:
+        chunk[p], n_chunks[p] = sub_groups(numel[p], config.sub_group_size)
     calls, rests, out = _trace_calls(adapter, dtype_of, layouts, loss_fn, example)
     unit = lambda f: tuple(sum(f(p) for p in u.param_paths) for u in adapter.units)  # noqa: E731
     d = _Digest(

@@ -4,9 +4,6 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any
-
-import numpy as np
 
 from zinf_jax.checkpoint import CheckpointError, META, latest_step_dir, read_meta
 from zinf_jax.tiers.base import ShardSpec

@@ -18,7 +18,6 @@ from __future__ import annotations
 from typing import Any, Callable, Hashable, Sequence
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from flax import linen as nn
 from flax import traverse_util

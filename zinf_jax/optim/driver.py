@@ -57,6 +57,19 @@ class _Group:
     index: int  # tier index: shard * n_chunks + chunk
 
 
+def sub_groups(numel: int, sub_group_size: int) -> tuple[int, int]:
+    """``(chunk, n)``: a shard of ``numel`` elements as ``n`` near-equal sub-groups of ``chunk`` elements.
+
+    ``n`` is the fewest sub-groups of at most ``sub_group_size`` elements; the
+    last one is padded by fewer than ``n`` elements (the padding is stored and
+    moved every step, so equal cuts matter: ``min(numel, sub_group_size)``
+    chunks padded a shard just over the size almost twofold).
+    """
+    numel = max(int(numel), 1)
+    n = -(-numel // max(int(sub_group_size), 1))
+    return -(-numel // n), n
+
+
 class _BufferSet:
     """float32 buffers for one sub-group (master, m, v) and the futures still using them."""
 
@@ -128,8 +141,7 @@ class StreamedAdam:
         self._groups: list[_Group] = []
         for path, lay in self.layouts.items():
             numel = math.prod(lay.shard_shape)
-            chunk = min(numel, int(sub_group_size))
-            n = -(-numel // chunk)
+            chunk, n = sub_groups(numel, sub_group_size)
             self._numel[path], self._chunk[path], self._nch[path] = numel, chunk, n
             self._local[path] = sorted(int(i) for i in local_indices(path))
             for i in self._local[path]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import math
 import os
 import re
 import shutil
@@ -36,7 +37,7 @@ import numpy as np
 import tensorstore as ts
 
 from zinf_jax.tiers.base import ByteBudget, ShardSpec, TierError, np_dtype
-from zinf_jax.tiers.direct import ZARR3_CODECS, ZARR3_KEY_ENCODING, ChunkIO, aligned_empty, chunk_ranges
+from zinf_jax.tiers.direct import ALIGN, ZARR3_CODECS, ZARR3_KEY_ENCODING, ChunkIO, aligned_empty, chunk_ranges
 
 __all__ = ["NvmeTier", "read_manifest", "MANIFEST"]
 
@@ -81,6 +82,9 @@ def _chunk_shape(shard_shape: Sequence[int], itemsize: int, limit: int) -> list[
         if inner <= limit:
             pieces = -(-inner * n // limit)
             chunk[d] = -(-n // pieces)
+            step = ALIGN // math.gcd(inner, ALIGN)  # rows per sector-aligned piece: no staging copy
+            if step * inner <= limit // 16:
+                chunk[d] = min(n, -(-chunk[d] // step) * step)
             return chunk
         chunk[d] = 1
     return chunk
