@@ -14,8 +14,9 @@ flat shard with its two moments and a gradient) on this machine's CPU threads:
 
 All candidates share one shard set (DeepSpeed and optax keep their own moment
 buffers). After one warm-up call each, ``--reps`` rounds time every candidate
-once per round (round-robin), so the slow drift of a shared machine hits all
-alike; figures are medians over rounds, and ratios are medians of per-round
+once per round (round-robin; each timed call follows ``--gap`` seconds idle and
+one untimed call, so no candidate pays for another's spinning worker threads or
+for waking its own), so the slow drift of a shared machine hits all alike; figures are medians over rounds, and ratios are medians of per-round
 time ratios. Compare figures within one run only.
 
 Usage::
@@ -170,14 +171,36 @@ def setup_roofline(bufs):
     return (lambda: adam_shaped(p, m, v, g, zero)), {"kernel": "numba prange in-place, 28 B/param"}
 
 
-def setup_deepspeed(bufs):
+def _deepspeed_adam(p: np.ndarray, g: np.ndarray):
     import torch
     from deepspeed.ops.adam import DeepSpeedCPUAdam
-    param = torch.nn.Parameter(torch.from_numpy(bufs[0]))
-    param.grad = torch.from_numpy(bufs[3])
-    opt = DeepSpeedCPUAdam([param], lr=HP["lr"], betas=(HP["b1"], HP["b2"]), eps=HP["eps"],
-                           weight_decay=HP["weight_decay"], adamw_mode=True)
-    return opt.step, {"torch_threads": torch.get_num_threads()}
+    param = torch.nn.Parameter(torch.from_numpy(p))
+    param.grad = torch.from_numpy(g)
+    return DeepSpeedCPUAdam([param], lr=HP["lr"], betas=(HP["b1"], HP["b2"]), eps=HP["eps"],
+                            weight_decay=HP["weight_decay"], adamw_mode=True)
+
+
+def deepspeed_parity(n: int = 1 << 20, steps: int = 3) -> dict:
+    """Both kernels from the same state for a few steps: they compute the same AdamW (a sanity check)."""
+    from zinf_jax.optim import adam_update_shard
+    p, m, v, g = _buffers(n, seed=1)
+    ds_p = p.copy()
+    ds = _deepspeed_adam(ds_p, g.copy())
+    for t in range(1, steps + 1):
+        ds.step()
+        adam_update_shard(p, m, v, g, step=t, grad_scale=1.0, **HP)
+    diff = np.abs(ds_p - p)
+    return {"params": n, "steps": steps, "max_abs_diff": float(diff.max()),
+            "max_abs_diff_per_lr_step": float(diff.max() / (HP["lr"] * steps)),
+            "note": "differences in units of the largest possible update (lr per step)"}
+
+
+def setup_deepspeed(bufs):
+    import deepspeed
+    import torch
+    opt = _deepspeed_adam(bufs[0], bufs[3])
+    return opt.step, {"torch": torch.__version__, "deepspeed": deepspeed.__version__,
+                      "torch_threads": torch.get_num_threads(), "parity_vs_zinf": deepspeed_parity()}
 
 
 def _ratio(rounds: dict, a: str, b: str):
@@ -194,6 +217,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="threads for blocked numpy")
     ap.add_argument("--out", default="results/bench_adam.json")
     ap.add_argument("--skip", nargs="*", default=[], help="candidates to skip")
+    ap.add_argument("--gap", type=float, default=0.5,
+                    help="seconds of idle before each timed run: OpenMP and XLA worker threads spin-wait after "
+                         "a parallel region and otherwise steal the cores of whichever candidate runs next")
     args = ap.parse_args(argv)
     n, reps = args.params, args.reps
     bufs = _buffers(n)
@@ -220,6 +246,8 @@ def main(argv=None) -> int:
     rounds = {name: [] for name in runs}
     for _ in range(reps):
         for name, run in runs.items():
+            time.sleep(args.gap)  # let the previous candidate's spinning worker threads (OpenMP, XLA) go idle
+            run()  # untimed: wakes this candidate's own thread pool, as in a training loop
             t0 = time.perf_counter()
             run()
             rounds[name].append(time.perf_counter() - t0)
