@@ -105,11 +105,34 @@ def test_forward_only_matches_and_under_jit_refuses():
     sm = build(ad, "device", threshold=THRESHOLD)
     glue = sm.store.fetch(ad.glue_paths)
     batch = tokens(sm.mesh)
-    loss, _ = sm.forward(lm_loss, batch, glue, has_aux=False)
+    loss, _ = sm.forward(lm_loss, batch, glue, has_aux=False, train=True)
     model = gpt_ctor()()
     np.testing.assert_allclose(float(loss), float(lm_loss(model, batch)), rtol=1e-5)
     with pytest.raises(EngineError, match="jax.jit"):
         jax.jit(lambda b: sm.forward_backward(lm_loss, b, glue, has_aux=False)[0])(batch)
+
+
+def test_evaluation_runs_as_model_eval_and_leaves_training_alone():
+    """eval: dropout off exactly as nnx's model.eval(); training after it sees the dropout keys it would have."""
+    ad = nnx_adapter(gpt_ctor(), THRESHOLD)
+    sm = build(ad, "device", threshold=THRESHOLD)
+    glue = sm.store.fetch(ad.glue_paths)
+    batch = tokens(sm.mesh)
+    ref_model = gpt_ctor()()
+    ref_train1 = float(lm_loss(ref_model, batch))
+    ref_model.eval()
+    ref_eval = float(lm_loss(ref_model, batch))
+    ref_model.train()
+    ref_train2 = float(lm_loss(ref_model, batch))
+    assert len({ref_train1, ref_eval, ref_train2}) == 3  # dropout matters at this rate
+
+    l1, _, _ = sm.forward_backward(lm_loss, batch, glue, has_aux=False)
+    e1, _ = sm.forward(lm_loss, batch, glue, has_aux=False)
+    e2, _ = sm.forward(lm_loss, batch, glue, has_aux=False)
+    l2, _, _ = sm.forward_backward(lm_loss, batch, glue, has_aux=False)
+    np.testing.assert_allclose(float(l1), ref_train1, rtol=1e-5)
+    np.testing.assert_allclose([float(e1), float(e2)], [ref_eval, ref_eval], rtol=1e-5)
+    np.testing.assert_allclose(float(l2), ref_train2, rtol=1e-5)
 
 
 def test_large_parameter_outside_units_is_an_error():

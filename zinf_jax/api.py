@@ -7,6 +7,7 @@ streamed CPU Adam step, then publishes the new step atomically.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -63,32 +64,36 @@ class Engine:
         self.layouts: dict[str, ParamLayout] = plan_partition(adapter.abstract_params, mesh, config.persistence_threshold)
         placement = self._placement()
         po, oo = config.offload_param, config.offload_optimizer
-        self.param_tier = open_tier(po.device, path=po.path, subdir="params", placement=placement,
-                                    max_in_flight_bytes=config.max_in_flight_bytes, direct_io=po.direct_io)
-        self.opt_tier = open_tier("cpu" if oo.device == "none" else oo.device, path=oo.path, subdir="optimizer",
-                                  host_memory="numpy", max_in_flight_bytes=config.max_in_flight_bytes,
-                                  direct_io=oo.direct_io)
-        self.store = ParamStore(self.param_tier, self.layouts, mesh, self.compute_dtype)
-        ls = config.loss_scale if (self.compute_dtype == "float16" or config.loss_scale.enabled) else None
-        self.optimizer = StreamedAdam(
-            optimizer, self.opt_tier, self.layouts, local_indices=self.store.local_indices, owner=self._owner,
-            sub_group_size=config.sub_group_size, buffer_count=oo.buffer_count, loss_scale=ls, allreduce=_allreduce,
-        )
-        self.optimizer.declare()
-        if init == "fresh":
-            def to_optimizer(path: str, arr: jax.Array) -> None:
-                for idx, shard in split_local(self.layouts[path], mesh, arr).items():
-                    self.optimizer.init_shard(path, idx, np.asarray(shard, np.float32))
+        with contextlib.ExitStack() as undo:  # a failure while building releases the tiers (and their locks)
+            self.param_tier = open_tier(po.device, path=po.path, subdir="params", placement=placement,
+                                        max_in_flight_bytes=config.max_in_flight_bytes, direct_io=po.direct_io)
+            undo.callback(close_quietly, self.param_tier)
+            self.opt_tier = open_tier("cpu" if oo.device == "none" else oo.device, path=oo.path, subdir="optimizer",
+                                      host_memory="numpy", max_in_flight_bytes=config.max_in_flight_bytes,
+                                      direct_io=oo.direct_io)
+            undo.callback(close_quietly, self.opt_tier)
+            self.store = ParamStore(self.param_tier, self.layouts, mesh, self.compute_dtype)
+            ls = config.loss_scale if (self.compute_dtype == "float16" or config.loss_scale.enabled) else None
+            self.optimizer = StreamedAdam(
+                optimizer, self.opt_tier, self.layouts, local_indices=self.store.local_indices, owner=self._owner,
+                sub_group_size=config.sub_group_size, buffer_count=oo.buffer_count, loss_scale=ls, allreduce=_allreduce,
+            )
+            self.optimizer.declare()
+            if init == "fresh":
+                def to_optimizer(path: str, arr: jax.Array) -> None:
+                    for idx, shard in split_local(self.layouts[path], mesh, arr).items():
+                        self.optimizer.init_shard(path, idx, np.asarray(shard, np.float32))
 
-            init_unit_by_unit(adapter, self.store, on_param=to_optimizer, metadata={"step": 0})
-            self.optimizer.commit({"step": 0})
-        elif init == "reopen":
-            self.optimizer.restore_state()
-            self._sync_params_with_master()
-        self.streamed = StreamedModel(
-            adapter, self.store, prefetch_depth=config.prefetch_depth, max_live_bytes=config.max_live_bytes,
-            offload_activations=config.offload_activations, track_live_arrays=track_live_arrays,
-        )
+                init_unit_by_unit(adapter, self.store, on_param=to_optimizer, metadata={"step": 0})
+                self.optimizer.commit({"step": 0})
+            elif init == "reopen":
+                self.optimizer.restore_state()
+                self._sync_params_with_master()
+            self.streamed = StreamedModel(
+                adapter, self.store, prefetch_depth=config.prefetch_depth, max_live_bytes=config.max_live_bytes,
+                offload_activations=config.offload_activations, track_live_arrays=track_live_arrays,
+            )
+            undo.pop_all()
         self.user_state: dict[str, Any] = {}
 
     # --- placement ----------------------------------------------------------------
@@ -178,11 +183,23 @@ class Engine:
             out["aux"] = aux
         return out
 
-    def eval_step(self, batch: Any) -> Any:
-        """Forward only, streamed: the loss (and aux if ``loss_fn`` returns one)."""
+    def eval_step(self, batch: Any, *, loss_fn: Callable | None = None) -> Any:
+        """Forward only, streamed, in evaluation mode: the loss (and aux if the loss returns one).
+
+        NNX models run as after ``model.eval()`` (dropout off, batch-norm running
+        averages used), and nothing a training step depends on changes (RNG
+        counters included): training after an evaluation continues exactly as
+        without it.
+
+        Args:
+          batch: a process-local batch, as for :meth:`train_step`.
+          loss_fn: the loss to evaluate (default: the training loss), e.g. one
+            that returns accuracy as aux. Linen modules take their mode as a call
+            argument: pass a loss that calls the model with it (``train=False``).
+        """
         batch = self.shard_batch(batch)
         glue = self.store.fetch(self.adapter.glue_paths)
-        loss, aux = self.streamed.forward(self.loss_fn, batch, glue, has_aux=self.has_aux)
+        loss, aux = self.streamed.forward(loss_fn or self.loss_fn, batch, glue, has_aux=self.has_aux)
         return (loss, aux) if self.has_aux else loss
 
     # --- reading back -----------------------------------------------------------------
@@ -208,10 +225,20 @@ class Engine:
         return save(self, directory, user_state=user_state)
 
     def close(self) -> None:
-        """Finishes I/O and releases the tiers (and their directory locks)."""
-        self.streamed.prefetcher.close()
-        self.param_tier.close()
-        self.opt_tier.close()
+        """Finishes I/O and releases the tiers (and their directory locks), all of them even if one fails."""
+        try:
+            self.streamed.prefetcher.close()
+        finally:
+            try:
+                self.param_tier.close()
+            finally:
+                self.opt_tier.close()
+
+
+def close_quietly(closable: Any) -> None:
+    """Closes a tier or engine while another error is on its way out (that one is the one to report)."""
+    with contextlib.suppress(Exception):
+        closable.close()
 
 
 def _tier_bytes(tier: Any) -> int:
@@ -299,6 +326,6 @@ def restore(
     try:
         restore_into(engine, step_dir)
     except BaseException:
-        engine.close()
+        close_quietly(engine)
         raise
     return engine

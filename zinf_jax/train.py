@@ -21,7 +21,7 @@ from typing import Any, TextIO
 import numpy as np
 from flax import nnx
 
-from zinf_jax.api import Engine, initialize, restore
+from zinf_jax.api import Engine, close_quietly, initialize, restore
 from zinf_jax.checkpoint import latest_step_dir
 from zinf_jax.config import Offload, ZeroConfig
 from zinf_jax.models import GPT, GPTConfig, batch_at, corpus, lm_loss
@@ -201,13 +201,16 @@ def train(args: TrainArgs, *, out: TextIO | None = None) -> dict[str, Any]:
             bar.update(step + 1, m)
             if args.save_every and (step + 1) % args.save_every == 0:
                 engine.save(ckpt, user_state={"data_step": step + 1})
+        saved = engine.save(ckpt, user_state={"data_step": engine.step})
+    except BaseException:
+        close_quietly(engine)  # releases the tier locks; the error raised here is the one to report
+        raise
     finally:
         bar.close()
         log.close()
         if old is not None:
             signal.signal(signal.SIGINT, old)
     interrupted = bool(stop)
-    saved = engine.save(ckpt, user_state={"data_step": engine.step})
     engine.close()
     summary = {
         "steps_run": len(losses), "step": int(saved.name.split("_")[-1]), "interrupted": interrupted,

@@ -129,16 +129,35 @@ class NnxAdapter:
         self._glue_gdef, gparams, _ = nnx.split(abstract, nnx.Param, ...)
         self._glue_ptree = jax.tree.structure(gparams)
         self.glue_paths = [path_str(p) for p in _leaf_paths(gparams)]
+        self._eval_gdefs: tuple[list[Any], Any] | None = None  # built on first evaluation
+
+    def _gdefs(self, train: bool) -> tuple[list[Any], Any]:
+        """Graph definitions of the units and the glue in training or evaluation mode.
+
+        Evaluation mode is what ``model.eval()`` gives: ``deterministic=True`` and
+        ``use_running_average=True`` on every submodule that has them (dropout off,
+        batch statistics frozen). They are static attributes, so they live in
+        the graph definitions (and the program cache keys), not in the state.
+        """
+        if train:
+            return self._gdef, self._glue_gdef
+        if self._eval_gdefs is None:
+            model = nnx.eval_shape(self.constructor)
+            model.eval()
+            units = [nnx.split(_get(model, up), nnx.Param, ...)[0] for up in self._unit_paths]
+            self._wrap(model)
+            self._eval_gdefs = (units, nnx.split(model, nnx.Param, ...)[0])
+        return self._eval_gdefs
 
     def _wrap(self, model: nnx.Module) -> None:
         for u, up in zip(self.units, self._unit_paths):
             _set(model, up, UnitProxy(self.dispatch, u.uid, u.path))
 
-    def program_key(self, uid: int, method: str, kwkey: tuple) -> Hashable:
-        return ("nnx", self._gdef[uid], method, kwkey)
+    def program_key(self, uid: int, method: str, kwkey: tuple, train: bool = True) -> Hashable:
+        return ("nnx", self._gdefs(train)[0][uid], method, kwkey)
 
-    def unit_fn(self, uid: int, method: str, kwargs: dict) -> Callable:
-        gdef, ptree = self._gdef[uid], self._ptree[uid]
+    def unit_fn(self, uid: int, method: str, kwargs: dict, train: bool = True) -> Callable:
+        gdef, ptree = self._gdefs(train)[0][uid], self._ptree[uid]
 
         def fn(full, rest, args):
             rest = jax.tree.map(lambda x: x, rest)  # fresh Variables in the current trace
@@ -165,8 +184,9 @@ class NnxAdapter:
 
         return exact_jit_call(f, sharding)
 
-    def run(self, loss_fn: Callable, glue: Sequence[jax.Array], glue_rest: Any, batch: Any) -> tuple[Any, Any]:
-        model = nnx.merge(self._glue_gdef, jax.tree.unflatten(self._glue_ptree, list(glue)), glue_rest)
+    def run(self, loss_fn: Callable, glue: Sequence[jax.Array], glue_rest: Any, batch: Any,
+            train: bool = True) -> tuple[Any, Any]:
+        model = nnx.merge(self._gdefs(train)[1], jax.tree.unflatten(self._glue_ptree, list(glue)), glue_rest)
         out = loss_fn(model, batch)
         return out, nnx.split(model, nnx.Param, ...)[2]
 
@@ -216,10 +236,13 @@ class LinenAdapter:
     def _init(self) -> Any:
         return self.module.init(jax.random.key(self.seed), *self.init_args, **self.init_kwargs)
 
-    def program_key(self, uid: int, method: str, kwkey: tuple) -> Hashable:
+    # Linen modules take their mode as call arguments (``train=False``): ``train`` is
+    # accepted for the common interface and changes nothing; the loss function
+    # given to eval_step passes the module's own flag.
+    def program_key(self, uid: int, method: str, kwkey: tuple, train: bool = True) -> Hashable:
         return ("linen", type(self._clones[uid]), repr(self._clones[uid]), tuple(self._rel[uid]), method, kwkey)
 
-    def unit_fn(self, uid: int, method: str, kwargs: dict) -> Callable:
+    def unit_fn(self, uid: int, method: str, kwargs: dict, train: bool = True) -> Callable:
         clone, rel = self._clones[uid], self._rel[uid]
 
         def fn(full, rest, args):
@@ -245,7 +268,8 @@ class LinenAdapter:
             return next_fun(*args, **kwargs)
         return self.dispatch(uid, ctx.method_name, args, kwargs)
 
-    def run(self, loss_fn: Callable, glue: Sequence[jax.Array], glue_rest: Any, batch: Any) -> tuple[Any, Any]:
+    def run(self, loss_fn: Callable, glue: Sequence[jax.Array], glue_rest: Any, batch: Any,
+            train: bool = True) -> tuple[Any, Any]:
         params = traverse_util.unflatten_dict(dict(zip(self._glue, glue)))
 
         def model(*args, **kwargs):

@@ -120,6 +120,7 @@ class StreamedModel:
         self.peak_live_array_bytes = 0
         self._warned = False
         self._anchor = jnp.zeros((), jnp.float32)
+        self._train = True  # which mode the unit programs run in (False only inside forward(train=False))
         self._sync_units = _one_program_at_a_time(self.mesh)
 
     # --- public passes --------------------------------------------------------
@@ -155,13 +156,23 @@ class StreamedModel:
         self.glue_rest = new_rest
         return loss, aux, g_glue
 
-    def forward(self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array], *, has_aux: bool) -> tuple[Any, Any]:
-        """Loss (and aux) of a forward pass only, streamed."""
+    def forward(self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array], *, has_aux: bool,
+                train: bool = False) -> tuple[Any, Any]:
+        """Loss (and aux) of a forward pass only, streamed.
+
+        With ``train=False`` (evaluation) NNX modules run as after ``model.eval()``
+        (dropout off, running averages used) and no state changes: RNG counters
+        and other non-parameter state are left as they were, so evaluating
+        between training steps does not alter training.
+        """
         self._begin(loss_fn, batch, glue, backward=False)
+        self._train = train
         try:
-            out, _ = self.adapter.run(loss_fn, list(glue), self.glue_rest, batch)
+            out, new_rest = self.adapter.run(loss_fn, list(glue), self.glue_rest, batch, train)
         finally:
             self._end(backward=False)
+        if train:
+            self.glue_rest = new_rest
         return out if has_aux else (out, None)
 
     def _begin(self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array], backward: bool) -> None:
@@ -173,9 +184,11 @@ class StreamedModel:
         self._saved.clear()
         self.prefetcher.start(self.plan.schedule(backward))
         self._mode = "train" if backward else "eval"
+        self._train = True
 
     def _end(self, backward: bool) -> None:
         self._mode = "idle"
+        self._train = True
         self._anchor = jnp.zeros((), jnp.float32)
         self.prefetcher.finish()
         self._saved.clear()
@@ -227,16 +240,19 @@ class StreamedModel:
 
     def _key(self, uid: int, method: str, kwkey: tuple) -> tuple:
         sig = tuple((l.kind, l.shape, l.dtype, l.dim, l.num_shards) for l in self._layouts[uid])
-        return (self.adapter.program_key(uid, method, kwkey), sig)
+        return (self.adapter.program_key(uid, method, kwkey, self._train), sig)
 
     def _forward(self, uid: int, method: str, kwargs: dict, kwkey: tuple, args: Any, save: bool) -> Any:
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
             raise EngineError(_JIT_MSG)
         stored = self.prefetcher.take((uid, method))
-        prog = self.programs.forward(self._key(uid, method, kwkey), self._layouts[uid], self.adapter.unit_fn(uid, method, kwargs))
+        fn = self.adapter.unit_fn(uid, method, kwargs, self._train)
+        prog = self.programs.forward(self._key(uid, method, kwkey), self._layouts[uid], fn)
         rest = self.unit_rests[uid]
         self._account(uid)
-        out, self.unit_rests[uid] = prog(stored, rest, args)
+        out, new_rest = prog(stored, rest, args)
+        if self._train:  # an evaluation pass leaves RNG counters and other state alone
+            self.unit_rests[uid] = new_rest
         if self._sync_units:
             jax.block_until_ready(out)
         if save:
@@ -251,7 +267,8 @@ class StreamedModel:
             raise EngineError(f"backward order mismatch: expected {self.units[suid].path}.{smethod}, got {self.units[uid].path}.{method}")
         args = self._unpark(parked)
         stored = self.prefetcher.take((uid, method))
-        prog = self.programs.backward(self._key(uid, method, kwkey), self._layouts[uid], self.adapter.unit_fn(uid, method, kwargs))
+        fn = self.adapter.unit_fn(uid, method, kwargs, self._train)
+        prog = self.programs.backward(self._key(uid, method, kwkey), self._layouts[uid], fn)
         self._account(uid)
         gp, gd = prog(stored, rest, args, g)
         if self._sync_units:
