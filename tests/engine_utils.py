@@ -5,7 +5,7 @@ import jax
 import numpy as np
 
 from zinf_jax.engine.adapters import LinenAdapter, NnxAdapter
-from zinf_jax.engine.init import init_unit_by_unit
+from zinf_jax.engine.init import INIT_BATCH_BYTES, init_unit_by_unit
 from zinf_jax.engine.store import ParamStore
 from zinf_jax.engine.streamed import StreamedModel
 from zinf_jax.sharding import from_stored, local_shard_devices, make_mesh, plan_partition
@@ -36,12 +36,12 @@ def fill_random(store, seed=0):
 
 
 def build(adapter, tier_kind, *, threshold, path=None, depth=2, mesh=None, compute_dtype="float32",
-          init="model", **kw):
+          init="model", init_batch_bytes=INIT_BATCH_BYTES, **kw):
     mesh = mesh or make_mesh()
     lays = plan_partition(adapter.abstract_params, mesh, threshold)
     store = ParamStore(open_param_tier(tier_kind, mesh, path), lays, mesh, compute_dtype)
     if init == "model":
-        init_unit_by_unit(adapter, store)
+        init_unit_by_unit(adapter, store, batch_bytes=init_batch_bytes)
     else:
         fill_random(store)
     return StreamedModel(adapter, store, prefetch_depth=depth, **kw)

@@ -10,6 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from engine_utils import build, linen_adapter, nnx_adapter, streamed_grads
 from models import GPT, ConvNet, GPTConfig, lm_loss, mse_loss
 from zinf_jax.engine.adapters import _leaf_paths
+from zinf_jax.engine.init import param_batches
 from zinf_jax.engine.streamed import EngineError
 from zinf_jax.sharding import make_mesh
 from zinf_jax.units import UnitPolicy, UnitPolicyError, path_str
@@ -145,9 +146,11 @@ def test_large_parameter_outside_units_is_an_error():
     assert [u.path for u in ad.units] == ["blocks/0", "blocks/1", "embed"]
 
 
-def test_init_unit_by_unit_equals_eager_bitwise():
+@pytest.mark.parametrize("batch_bytes", [0, 1 << 30])  # one program per unit; one for the whole model
+def test_init_unit_by_unit_equals_eager_bitwise(batch_bytes):
     ad = nnx_adapter(gpt_ctor(), THRESHOLD)
-    sm = build(ad, "cpu", threshold=THRESHOLD)
+    assert len(param_batches(ad, batch_bytes)) == (4 if batch_bytes == 0 else 1)  # 3 units + glue
+    sm = build(ad, "cpu", threshold=THRESHOLD, init_batch_bytes=batch_bytes)
     model = gpt_ctor()()
     st = nnx.state(model, nnx.Param)
     eager = {path_str(p): np.asarray(v) for p, v in zip(_leaf_paths(st), jax.tree.leaves(st))}

@@ -1,13 +1,20 @@
 """Initialisation unit by unit: the model is never materialised whole.
 
-For each unit, the model constructor runs inside ``jax.jit`` returning only that
-unit's parameters, already in stored form and sharded over the mesh; XLA drops
-the rest of the model from the program. The arrays go straight to the param
-tier (and to ``on_param``, e.g. the optimizer's fp32 master) and are released
-before the next unit, so host and device memory hold about one unit at a time.
+For each batch of units, the model constructor runs inside ``jax.jit``
+returning only those units' parameters, already in stored form and sharded over
+the mesh; XLA drops the rest of the model from the program. The arrays go
+straight to the param tier (and to ``on_param``, e.g. the optimizer's fp32
+master) and are released before the next batch, so host and device memory hold
+about one batch at a time.
+
+A batch is consecutive units whose fp32 parameters stay within ``batch_bytes``
+(a unit larger than that is a batch of its own). Each program traces the whole
+constructor, so one program per unit made init time grow with depth squared;
+batching makes small models one program and keeps large ones at one unit each.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Sequence
 
 import jax
@@ -15,7 +22,10 @@ import jax
 from zinf_jax.engine.store import ParamStore
 from zinf_jax.sharding import to_stored
 
-__all__ = ["init_unit_by_unit", "param_groups"]
+__all__ = ["init_unit_by_unit", "param_groups", "param_batches", "INIT_BATCH_BYTES"]
+
+INIT_BATCH_BYTES = 64 << 20
+"""Default bound on the fp32 bytes one init program creates."""
 
 
 def param_groups(adapter: Any) -> list[tuple[str, ...]]:
@@ -26,22 +36,40 @@ def param_groups(adapter: Any) -> list[tuple[str, ...]]:
     return groups
 
 
+def param_batches(adapter: Any, batch_bytes: int) -> list[tuple[str, ...]]:
+    """:func:`param_groups` merged in order into batches of at most ``batch_bytes`` fp32 bytes."""
+    size = {p: 4 * math.prod(s.shape) for p, s in adapter.abstract_params.items()}
+    batches: list[tuple[str, ...]] = []
+    held = 0
+    for group in param_groups(adapter):
+        nbytes = sum(size[p] for p in group)
+        if batches and held + nbytes <= batch_bytes:
+            batches[-1] += group
+            held += nbytes
+        else:
+            batches.append(group)
+            held = nbytes
+    return batches
+
+
 def init_unit_by_unit(
     adapter: Any,
     store: ParamStore,
     *,
     on_param: Callable[[str, jax.Array], None] | None = None,
     metadata: dict | None = None,
+    batch_bytes: int = INIT_BATCH_BYTES,
 ) -> None:
-    """Creates every parameter group by group and writes it to ``store``.
+    """Creates every parameter batch by batch of units and writes it to ``store``.
 
     Args:
       adapter: the model adapter.
       store: the parameter store to fill (committed at the end).
       on_param: called with ``(path, stored_fp32_array)`` for each parameter.
       metadata: committed with the store.
+      batch_bytes: fp32 bytes one init program may create (see the module doc).
     """
-    for group in param_groups(adapter):
+    for group in param_batches(adapter, batch_bytes):
         arrays: Sequence[jax.Array] = adapter.init_params(
             group, lambda p, v: to_stored(store.layouts[p], v), [store.sharding(p) for p in group]
         )
