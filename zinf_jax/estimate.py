@@ -11,7 +11,7 @@ The ``*_bytes`` fields count the state *held by zinf* at its peak, not the RSS:
   with params on ``none`` the param tier.
 * host: the cpu param tier, fp32 master/m/v (12 B/param), the grad sink (4 B/param),
   ``buffer_count`` sub-group buffer sets (12 B/element), offloaded checkpoints. A
-  memory tier keeps its committed copy until a step commits: its state counts twice.
+  memory tier holds one copy of its state (updated in place).
 * nvme: both slots of every key (2 x dtype bytes/param, 2 x 12 B/param) and metadata
   (zarr skips all-zero chunks: a run may use less).
 
@@ -180,19 +180,16 @@ def _estimate(d: _Digest, config: ZeroConfig, pt: str, ot: str, platform: str) -
     stream, host_fb = _simulate(d, config.prefetch_depth, config.max_live_bytes, config.offload_activations)
     on_dev, cpu_p, cpu_o = d.store if pt == "none" else 0, d.store if pt == "cpu" else 0, d.opt if ot == "cpu" else 0
     fixed = {"unit_state": d.rests, "persistent_params": d.glue}
-    dev_phases = [{**stream, **fixed, "param_tier": on_dev},
-                  {**fixed, "param_tier": on_dev, "param_tier_uncommitted": on_dev}]
+    dev = {**stream, **fixed, "param_tier": on_dev}  # the stream's peak; the optimizer step adds nothing on device
 
     def per_device(items: Mapping[str, int]) -> int:
         tiers = sum(1 for k, v in items.items() if k.startswith("param_tier") and v)
         spread = sum(v for k, v in items.items() if not k.startswith("param_tier"))
         return -(-spread // d.n_local) + tiers * (-(-d.store_sharded // d.n_idx) + d.store - d.store_sharded)
 
-    dev = max(dev_phases, key=per_device)
     buffers = min(config.offload_optimizer.buffer_count, d.groups) * 12 * d.max_chunk + d.assembly
     host = max([{**host_fb, "param_tier": cpu_p, "optimizer_state": cpu_o},
-                {"grad_sink": d.grad, "optimizer_buffers": buffers, "param_tier": cpu_p,
-                 "param_tier_uncommitted": cpu_p, "optimizer_state": cpu_o, "optimizer_state_uncommitted": cpu_o}],
+                {"grad_sink": d.grad, "optimizer_buffers": buffers, "param_tier": cpu_p, "optimizer_state": cpu_o}],
                key=lambda x: sum(x.values()))
     nvme = {"param_tier": 2 * d.store_disk + d.param_meta if pt == "nvme" else 0,  # optimizer: 3 keys a param
             "optimizer_state": 2 * d.opt_disk + 3 * d.param_meta if ot == "nvme" else 0}

@@ -12,7 +12,9 @@ bounded by a :class:`ByteBudget`: an operation that would exceed it waits until
 earlier ones finish (back-pressure), so buffering is never unbounded.
 
 Writes become visible to *other openers* only at :meth:`Tier.commit`, all at
-once; a process may read back its own uncommitted writes.
+once; a process may read back its own uncommitted writes. (Only the NVMe tier
+has other openers: a later process, after a crash. The memory tiers hold one
+copy of each shard and replace it on put.)
 """
 from __future__ import annotations
 

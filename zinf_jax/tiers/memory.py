@@ -1,10 +1,13 @@
 """The in-memory tiers: device memory and host RAM.
 
-Both keep two tables, *committed* and *pending*: puts land in pending, and
-:meth:`commit` moves them to committed in one step, so a reader that only looks
-at committed data never sees half a step. Transfers run on a small thread pool
-so that puts and gets are asynchronous like the NVMe tier's, with in-flight
-bytes bounded by the same :class:`ByteBudget`.
+Memory does not outlive the process, so these tiers have no committed state to
+protect from a crash and keep one copy of every shard: a put replaces it (the
+numpy host tier overwrites its buffer in place, as DeepSpeed's CPU optimizer
+updates its state), and :meth:`commit` waits for the puts and records the
+metadata. A tier holding the optimizer state therefore costs 12 B/param, not
+twice that. Transfers run on a small thread pool so that puts and gets are
+asynchronous like the NVMe tier's, with in-flight bytes bounded by the same
+:class:`ByteBudget`; a get waits for an earlier put of the same shard.
 """
 from __future__ import annotations
 
@@ -33,8 +36,8 @@ class _MemoryTier:
         self.budget = ByteBudget(max_in_flight_bytes)
         self._specs: dict[str, ShardSpec] = {}
         self._local: dict[str, list[int]] = {}
-        self._committed: dict[tuple[str, int], Any] = {}
-        self._pending: dict[tuple[str, int], Any] = {}
+        self._data: dict[tuple[str, int], Any] = {}
+        self._puts: dict[tuple[str, int], Future] = {}  # the last put of each shard (reads wait for it)
         self._meta: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix=f"zinf-{self.kind}")
@@ -91,32 +94,47 @@ class _MemoryTier:
             )
         return spec
 
+    def _settle(self, key: str, index: int) -> None:
+        """Waits (in the caller's thread) for the last put of a shard, so I/O on it stays in program order."""
+        with self._lock:
+            last = self._puts.get((key, index))
+        if last is not None:
+            last.result()
+
     def put(self, key: str, index: int, value: Any) -> Future:
         spec = self._check(key, index, value)
+        self._settle(key, index)
 
         def store():
-            stored = self._place(index, value, spec)
             with self._lock:
-                self._pending[(key, index)] = stored
+                old = self._data.get((key, index))
+            stored = self._place(index, value, spec, old)
+            with self._lock:
+                self._data[(key, index)] = stored
 
-        return self._submit(spec.shard_nbytes, store)
+        fut = self._submit(spec.shard_nbytes, store)
+        with self._lock:
+            self._puts[(key, index)] = fut
+        return fut
 
     def get(self, key: str, index: int, *, out: np.ndarray | None = None) -> Future:
         spec = self._check(key, index)
+        self._settle(key, index)
         with self._lock:
-            value = self._pending.get((key, index), self._committed.get((key, index)))
+            value = self._data.get((key, index))
         if value is None:
             raise TierError(f"{self.kind} tier: no data for shard {index} of {key!r}")
 
         def load():
             if out is None:
-                return value
+                return value.copy() if isinstance(value, np.ndarray) else value  # numpy buffers are reused
             out[...] = np.asarray(value)
             return out
 
         return self._submit(spec.shard_nbytes, load)
 
-    def _place(self, index: int, value: Any, spec: ShardSpec) -> Any:
+    def _place(self, index: int, value: Any, spec: ShardSpec, old: Any) -> Any:
+        """The stored form of ``value`` (``old``: the shard's current stored value, or None)."""
         raise NotImplementedError
 
     # --- commit -------------------------------------------------------------
@@ -129,8 +147,7 @@ class _MemoryTier:
     def commit(self, metadata: Mapping[str, Any] | None = None) -> None:
         self.wait()
         with self._lock:
-            self._committed.update(self._pending)
-            self._pending.clear()
+            self._puts.clear()
             if metadata is not None:
                 self._meta = dict(metadata)
 
@@ -138,9 +155,9 @@ class _MemoryTier:
         return dict(self._meta)
 
     def stored_bytes(self) -> int:
-        """Bytes held (committed and pending)."""
+        """Bytes held."""
         with self._lock:
-            return sum(_nbytes(v) for v in {**self._committed, **self._pending}.values())
+            return sum(_nbytes(v) for v in self._data.values())
 
     def close(self) -> None:
         self.wait()
@@ -162,7 +179,7 @@ class DeviceTier(_MemoryTier):
         super().__init__(max_in_flight_bytes=max_in_flight_bytes)
         self._placement = placement or (lambda i: jax.local_devices()[0])
 
-    def _place(self, index: int, value: Any, spec: ShardSpec) -> Any:
+    def _place(self, index: int, value: Any, spec: ShardSpec, old: Any) -> Any:
         if isinstance(value, jax.Array) and value.sharding.memory_kind in (None, "device"):
             return value.astype(spec.dtype) if value.dtype != spec.dtype else value
         dev = self._placement(index)
@@ -198,8 +215,11 @@ class CpuTier(_MemoryTier):
         self.memory = memory
         self._placement = placement or (lambda i: jax.local_devices()[0])
 
-    def _place(self, index: int, value: Any, spec: ShardSpec) -> Any:
+    def _place(self, index: int, value: Any, spec: ShardSpec, old: Any) -> Any:
         if self.memory == "numpy":
+            if isinstance(old, np.ndarray):  # in place: the state is held once
+                np.copyto(old, np.asarray(value), casting="unsafe")
+                return old
             return np.array(value, dtype=_np(spec.dtype), copy=True)
         dev = self._placement(index)
         sharding = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
