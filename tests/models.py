@@ -79,3 +79,23 @@ class ConvNet(nn.Module):
 def mse_loss(model, batch):
     x, y = batch
     return jnp.mean((model(x) - y) ** 2)
+
+
+class LinenBlock(nn.Module):
+    """A residual MLP block with its own Dense children and dropout, called with a positional ``train`` flag."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        h = nn.Dropout(0.5, deterministic=not train)(nn.relu(nn.Dense(24)(x)))
+        return x + nn.Dense(x.shape[-1])(h)
+
+
+class LinenMLP(nn.Module):
+    """Top-level Dense children whose names repeat inside the blocks (``Dense_0`` at both levels)."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        x = nn.Dense(16)(x)
+        for i in range(2):
+            x = LinenBlock(name=f"block_{i}")(x, train)
+        return nn.Dense(3)(x)

@@ -8,7 +8,7 @@ from flax import traverse_util
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from engine_utils import build, linen_adapter, nnx_adapter, streamed_grads
-from models import GPT, ConvNet, GPTConfig, lm_loss, mse_loss
+from models import GPT, ConvNet, GPTConfig, LinenMLP, lm_loss, mse_loss
 from zinf_jax.engine.adapters import _leaf_paths
 from zinf_jax.engine.init import param_batches
 from zinf_jax.engine.streamed import EngineError
@@ -99,6 +99,28 @@ def test_linen_convnet_matches(tier, tmp_path):
     for path, r in ref.items():
         np.testing.assert_allclose(grads[path], r, rtol=1e-5, atol=1e-7, err_msg=path)
     sm.store.tier.close()
+
+
+def test_linen_blocks_as_units_with_a_positional_flag():
+    """Units with children of their own, whose names repeat at the top level (Dense_0), called as
+    block(x, train): the children run inside the unit, the bool selects a program variant."""
+    mesh = make_mesh()
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+    y = jax.random.normal(jax.random.key(2), (8, 3))
+    net = LinenMLP()
+    params = net.init(jax.random.key(0), x)["params"]
+    loss = lambda apply, b: jnp.mean((apply(b[0], False) - b[1]) ** 2)  # noqa: E731  (dropout off)
+    ref_loss, ref_g = jax.value_and_grad(lambda p: loss(lambda a, t: net.apply({"params": p}, a, t), (x, y)))(params)
+    ref = {"/".join(k): np.asarray(v) for k, v in traverse_util.flatten_dict(ref_g).items()}
+    ad = linen_adapter(net, x, threshold=0, policy=UnitPolicy(patterns=(r"block_\d+",)))
+    assert {"block_0", "block_1"} <= {u.path for u in ad.units}
+    sm = build(ad, "device", threshold=0)
+    batch = jax.device_put((x, y), NamedSharding(mesh, P("fsdp")))
+    l, _, g_glue = sm.forward_backward(loss, batch, [], has_aux=False)
+    np.testing.assert_allclose(float(l), float(ref_loss), rtol=1e-5)
+    grads = streamed_grads(sm, g_glue)
+    for path, r in ref.items():
+        np.testing.assert_allclose(grads[path], r, rtol=1e-5, atol=1e-7, err_msg=path)
 
 
 def test_forward_only_matches_and_under_jit_refuses():

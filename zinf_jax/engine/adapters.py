@@ -15,6 +15,8 @@ calls go to the engine:
 """
 from __future__ import annotations
 
+import threading
+
 from typing import Any, Callable, Hashable, Sequence
 
 import jax
@@ -203,6 +205,7 @@ class LinenAdapter:
     def __init__(self, module: nn.Module, init_args: tuple, init_kwargs: dict, policy: UnitPolicy, threshold: int, seed: int):
         self.module, self.init_args, self.init_kwargs, self.seed = module, init_args, init_kwargs, seed
         self.dispatch = Dispatch()
+        self._inside = threading.local()  # depth of unit programs being traced on this thread
         seen: dict[tuple, nn.Module] = {}
 
         def record(next_fun, args, kwargs, ctx):
@@ -247,7 +250,11 @@ class LinenAdapter:
 
         def fn(full, rest, args):
             tree = traverse_util.unflatten_dict(dict(zip(rel, full)))
-            out = clone.apply({"params": tree}, *args, method=None if method == "__call__" else method, **kwargs)
+            self._inside.depth = getattr(self._inside, "depth", 0) + 1
+            try:  # the unit runs as a root module: its children's paths must not be taken for units
+                out = clone.apply({"params": tree}, *args, method=None if method == "__call__" else method, **kwargs)
+            finally:
+                self._inside.depth -= 1
             return out, rest
 
         return fn
@@ -263,6 +270,8 @@ class LinenAdapter:
         return [None] * len(self.units), None
 
     def _intercept(self, next_fun, args, kwargs, ctx):
+        if getattr(self._inside, "depth", 0):  # tracing a unit program
+            return next_fun(*args, **kwargs)
         uid = self._by_path.get(tuple(ctx.module.scope.path)) if ctx.module.scope is not None else None
         if uid is None or ctx.method_name == "setup":
             return next_fun(*args, **kwargs)

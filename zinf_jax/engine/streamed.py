@@ -67,6 +67,19 @@ def _nbytes_on_devices(tree: Any) -> int:
     return total
 
 
+def _split_static(args: tuple) -> tuple[list[Any], tuple[Any, tuple[tuple[int, Any], ...]]]:
+    """Array leaves of a unit's positional arguments, and the rest as a static (hashable) part.
+
+    Python ``bool``/``int``/``str`` arguments (``block(x, True)``, a Linen
+    ``train`` flag) select program variants like keyword arguments do; tracing
+    them would break Python control flow inside the unit.
+    """
+    leaves, treedef = jax.tree.flatten(args)
+    fixed = tuple((i, v) for i, v in enumerate(leaves) if isinstance(v, (bool, int, str)))
+    dyn = [v for v in leaves if not isinstance(v, (bool, int, str))]
+    return dyn, (treedef, fixed)
+
+
 class StreamedModel:
     """Runs a wrapped model's loss with streamed units.
 
@@ -203,8 +216,9 @@ class StreamedModel:
     # --- the hook -------------------------------------------------------------
     def call_unit(self, uid: int, method: str, args: tuple, kwargs: dict) -> Any:
         """Entry point of every wrapped unit call."""
+        args, static = _split_static(args)
         try:
-            kwkey = tuple(sorted(kwargs.items()))
+            kwkey = (tuple(sorted(kwargs.items())), static)
             hash(kwkey)
         except TypeError:
             raise EngineError(f"unit {self.units[uid].path}.{method}: keyword arguments must be hashable (static)") from None
@@ -212,7 +226,7 @@ class StreamedModel:
             self._plan_calls.append((uid, method))
             full = [jax.ShapeDtypeStruct(l.shape, self.store.dtype_of(l.path)) for l in self._layouts[uid]]
             sds = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), args)
-            fn = self.adapter.unit_fn(uid, method, kwargs)
+            fn = self._unit_fn(uid, method, kwargs, kwkey)
             out = jax.eval_shape(lambda f, r, a: fn(f, r, a)[0], full, self.unit_rests[uid], sds)
             return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out)
         if self._mode == "idle":
@@ -238,6 +252,19 @@ class StreamedModel:
         unit.defvjp(unit_fwd, unit_bwd)
         return unit
 
+    def _unit_fn(self, uid: int, method: str, kwargs: dict, kwkey: tuple) -> Callable:
+        """The adapter's unit function in the current mode, with the static positional arguments put back."""
+        fn = self.adapter.unit_fn(uid, method, kwargs, self._train)
+        treedef, fixed = kwkey[1]
+
+        def with_static(full, rest, dyn):
+            leaves = list(dyn)
+            for pos, value in fixed:
+                leaves.insert(pos, value)
+            return fn(full, rest, jax.tree.unflatten(treedef, leaves))
+
+        return with_static
+
     def _key(self, uid: int, method: str, kwkey: tuple) -> tuple:
         sig = tuple((l.kind, l.shape, l.dtype, l.dim, l.num_shards) for l in self._layouts[uid])
         return (self.adapter.program_key(uid, method, kwkey, self._train), sig)
@@ -246,7 +273,7 @@ class StreamedModel:
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
             raise EngineError(_JIT_MSG)
         stored = self.prefetcher.take((uid, method))
-        fn = self.adapter.unit_fn(uid, method, kwargs, self._train)
+        fn = self._unit_fn(uid, method, kwargs, kwkey)
         prog = self.programs.forward(self._key(uid, method, kwkey), self._layouts[uid], fn)
         rest = self.unit_rests[uid]
         self._account(uid)
@@ -267,7 +294,7 @@ class StreamedModel:
             raise EngineError(f"backward order mismatch: expected {self.units[suid].path}.{smethod}, got {self.units[uid].path}.{method}")
         args = self._unpark(parked)
         stored = self.prefetcher.take((uid, method))
-        fn = self.adapter.unit_fn(uid, method, kwargs, self._train)
+        fn = self._unit_fn(uid, method, kwargs, kwkey)
         prog = self.programs.backward(self._key(uid, method, kwkey), self._layouts[uid], fn)
         self._account(uid)
         gp, gd = prog(stored, rest, args, g)
