@@ -99,3 +99,36 @@ def test_writes_bypass_the_page_cache_on_a_disk(tmp_path):
     w.write(tmp_path / "c", aligned_empty(ALIGN * 4), ALIGN * 4).result()
     assert w.direct_writes, "the test disk accepted no O_DIRECT write"
     w.close()
+
+
+@pytest.mark.parametrize("sync", ["write", "commit", False])
+def test_sync_modes_round_trip_and_reopen(tmp_path, sync):
+    """Every durability mode writes the same files (only when they reach the disk differs)."""
+    vals = [np.arange(3000, dtype=np.float32) * (i + 1) for i in range(4)]
+    tier = NvmeTier(tmp_path, process_index=0, sync=sync, chunk_bytes=4096)
+    tier.declare("k", ShardSpec(shard_shape=(3000,), dtype="float32", num_shards=4))
+    for gen in range(3):
+        for f in [tier.put("k", i, v + gen) for i, v in enumerate(vals)]:
+            f.result()
+        tier.commit({"gen": gen})
+    tier.close()
+    again = NvmeTier(tmp_path, process_index=0)
+    assert again.metadata() == {"gen": 2}
+    assert all(again.get("k", i).result().tobytes() == (v + 2).tobytes() for i, v in enumerate(vals))
+    again.close()
+    with pytest.raises(ValueError, match="sync"):
+        NvmeTier(tmp_path, process_index=0, sync="sometimes")
+    NvmeTier(tmp_path, process_index=0).close()  # and the refused open left no lock behind
+
+
+def test_unreadable_manifest_is_a_clear_error_and_releases_the_lock(tmp_path):
+    tier = NvmeTier(tmp_path, process_index=0)
+    tier.declare("k", ShardSpec(shard_shape=(4,), dtype="float32", num_shards=1))
+    tier.put("k", 0, np.ones(4, np.float32)).result()
+    tier.commit()
+    tier.close()
+    (tier.dir / "MANIFEST.json").write_text('{"generation": 1, "keys": ')
+    with pytest.raises(TierError, match="MANIFEST.json.*unreadable"):
+        NvmeTier(tmp_path, process_index=0)
+    (tier.dir / "MANIFEST.json").unlink()
+    NvmeTier(tmp_path, process_index=0).close()  # the lock was released

@@ -167,6 +167,8 @@ class NvmeTier:
         read_threads: int = 4,
         write_threads: int = 4,
     ):
+        if sync not in (True, False, "write", "commit"):  # before the lock is taken
+            raise ValueError(f"nvme tier sync must be 'commit', 'write' (True) or False, got {sync!r}")
         root = Path(path)
         _check_dir(root)
         if process_index is None:
@@ -191,19 +193,25 @@ class NvmeTier:
         self._lockf.write(f"pid {os.getpid()}\n")
         self._lockf.flush()
 
+        try:
+            man = read_manifest(self.dir)
+            self._generation = int(man["generation"])
+            self._meta: dict[str, Any] = dict(man.get("metadata", {}))
+            self._specs = {k: ShardSpec.from_json(v["spec"]) for k, v in man["keys"].items()}
+            self._local = {k: list(v["local"]) for k, v in man["keys"].items()}
+            self._slot = {k: int(v["slot"]) for k, v in man["keys"].items()}
+        except (OSError, ValueError, KeyError, TypeError) as e:  # it is only ever replaced whole: edited by hand?
+            fcntl.flock(self._lockf, fcntl.LOCK_UN)
+            self._lockf.close()
+            raise TierError(
+                f"nvme tier: {str(self.dir / MANIFEST)!r} is unreadable ({type(e).__name__}: {e}); "
+                "restore from a checkpoint into an empty offload path"
+            ) from e
         self.budget = ByteBudget(max_in_flight_bytes)
         self._chunk_bytes = int(chunk_bytes)
-        if sync not in (True, False, "write", "commit"):
-            raise ValueError(f"nvme tier sync must be 'commit', 'write' (True) or False, got {sync!r}")
         self._sync_at_commit = sync == "commit"
         self._io = ChunkIO(read_threads, write_threads, sync=sync in (True, "write"), direct_read=direct_io)
         self._ctx = ts.Context({"cache_pool": {"total_bytes_limit": 0}})  # chunk data never goes through tensorstore
-        man = read_manifest(self.dir)
-        self._generation = int(man["generation"])
-        self._meta: dict[str, Any] = dict(man.get("metadata", {}))
-        self._specs = {k: ShardSpec.from_json(v["spec"]) for k, v in man["keys"].items()}
-        self._local = {k: list(v["local"]) for k, v in man["keys"].items()}
-        self._slot = {k: int(v["slot"]) for k, v in man["keys"].items()}
         self._pending_slot: dict[str, int] = {}
         self._written: dict[str, set[int]] = {}
         self._handles: dict[tuple[str, int], ts.TensorStore] = {}
