@@ -70,10 +70,11 @@ def test_chunk_ranges_cover_the_shard_once():
         list(chunk_ranges((4, 6), (2, 3)))
 
 
+@pytest.mark.parametrize("stage", [ALIGN, 3 * ALIGN])
 @pytest.mark.parametrize("nbytes,offset", [(3 * ALIGN, 0), (3 * ALIGN + 17, 0), (5000, 3), (20 << 10, 16)])
-def test_writer_pads_truncates_and_overwrites(tmp_path, nbytes, offset):
+def test_writer_pads_truncates_and_overwrites(tmp_path, nbytes, offset, stage):
     """Aligned sources are written without staging, unaligned ones through it; sizes are exact."""
-    w = ChunkIO(2, 2, block_bytes=2 * ALIGN)
+    w = ChunkIO(2, 2, block_bytes=2 * ALIGN, stage_bytes=stage)
     src = aligned_empty(nbytes + offset)[offset:]
     src[:] = np.arange(nbytes) % 251
     path = tmp_path / "chunk"
@@ -83,7 +84,7 @@ def test_writer_pads_truncates_and_overwrites(tmp_path, nbytes, offset):
     assert len(data) == nbytes + 100
     assert data[:nbytes] == src.tobytes() and data[nbytes:] == b"\0" * 100
     for direct in (False, True):  # into an unaligned buffer, staged when direct
-        r = ChunkIO(1, 1, block_bytes=2 * ALIGN, direct_read=direct)
+        r = ChunkIO(1, 1, block_bytes=2 * ALIGN, stage_bytes=stage, direct_read=direct)
         out = aligned_empty(nbytes + offset + 1)[offset + 1 :]
         assert r.read(path, out).result() is out and out.tobytes() == src.tobytes()
         r.close()

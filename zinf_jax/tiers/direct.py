@@ -94,7 +94,10 @@ class ChunkIO:
     Args:
       read_threads: chunk files read at once.
       write_threads: chunk files written at once.
-      block_bytes: size of each I/O request and of each thread's staging buffer.
+      block_bytes: size of each I/O request straight from or into the caller's
+        (page-aligned) memory.
+      stage_bytes: size of each thread's staging buffer, and of the requests
+        that go through it (unaligned memory, sector tails, zero padding).
       sync: ``fdatasync`` every written file before its future resolves (durable writes).
       direct_read: read with ``O_DIRECT`` too (cold reads measure the disk, not
         the page cache). Writes always try ``O_DIRECT``; a file system that
@@ -102,12 +105,12 @@ class ChunkIO:
     """
 
     def __init__(self, read_threads: int = 4, write_threads: int = 4, *, block_bytes: int = 8 << 20,
-                 sync: bool = True, direct_read: bool = False):
-        if block_bytes % ALIGN:
-            raise ValueError(f"block_bytes must be a multiple of {ALIGN}, got {block_bytes}")
+                 stage_bytes: int = 2 << 20, sync: bool = True, direct_read: bool = False):
+        if block_bytes % ALIGN or stage_bytes % ALIGN or stage_bytes <= 0:
+            raise ValueError(f"block_bytes and stage_bytes must be positive multiples of {ALIGN}")
         self._readers = ThreadPoolExecutor(max(1, int(read_threads)), thread_name_prefix="zinf-nvme-read")
         self._writers = ThreadPoolExecutor(max(1, int(write_threads)), thread_name_prefix="zinf-nvme-write")
-        self._block = int(block_bytes)
+        self._block, self._stage_bytes = int(block_bytes), int(stage_bytes)
         self._sync = bool(sync)
         self._direct = {"write": True, "read": bool(direct_read)}
         self._local = threading.local()
@@ -132,7 +135,7 @@ class ChunkIO:
     def _stage(self) -> np.ndarray:
         buf = getattr(self._local, "buf", None)
         if buf is None:  # one per pool thread, freed with the pool
-            buf = self._local.buf = aligned_empty(self._block)
+            buf = self._local.buf = aligned_empty(self._stage_bytes)
         return buf
 
     def _open(self, path: Path, mode: str) -> tuple[int, bool]:
@@ -146,20 +149,32 @@ class ChunkIO:
                 self._direct[mode] = False  # this file system has no direct I/O
         return os.open(path, flags, 0o644), False
 
-    @staticmethod
-    def _direct_ok(buf: np.ndarray, n: int) -> bool:
-        return n % ALIGN == 0 and buf.nbytes == n and buf.ctypes.data % ALIGN == 0
+    def _step(self, mem: np.ndarray, off: int, size: int, direct: bool) -> tuple[int, bool]:
+        """Bytes of the next request at ``off`` (of ``size``) and whether it goes straight to ``mem``.
+
+        Direct I/O needs sector-aligned memory, offsets and lengths: an aligned
+        buffer moves in large blocks (aligned down; the tail and any zero
+        padding beyond ``mem`` are staged), anything else through the staging buffer.
+        """
+        left = size - off
+        if not direct:
+            n = min(self._block, left)
+            return (n, True) if off + n <= mem.nbytes else (min(n, self._stage_bytes), False)
+        avail = max(0, min(self._block, left, mem.nbytes - off)) // ALIGN * ALIGN
+        if mem.ctypes.data % ALIGN == 0 and avail:
+            return avail, True
+        return min(self._stage_bytes, left), False
 
     def _write(self, path: Path, data: np.ndarray, padded: int) -> None:
         fd, direct = self._open(path, "write")
         try:
             off = 0
             while off < padded:
-                n = min(self._block, padded - off)
+                n, straight = self._step(data, off, padded, direct)
                 src = data[off : min(off + n, data.nbytes)]
-                if src.nbytes == n and (not direct or self._direct_ok(src, n)):
-                    buf = src  # written straight from the caller's memory
-                else:  # staged: unaligned, or the zero padding of the last chunk
+                if straight:
+                    buf = src  # written from the caller's memory
+                else:  # staged: unaligned memory, a sector tail or the zero padding of the last chunk
                     buf = self._stage()[: -(-n // ALIGN) * ALIGN if direct else n]
                     np.copyto(buf[: src.nbytes], src)
                     buf[src.nbytes :] = 0
@@ -179,9 +194,9 @@ class ChunkIO:
         try:
             off = 0
             while off < out.nbytes:
-                n = min(self._block, out.nbytes - off)
+                n, straight = self._step(out, off, out.nbytes, direct)
                 dst = out[off : off + n]
-                staged = direct and not self._direct_ok(dst, n)
+                staged = not straight
                 buf = self._stage()[: -(-n // ALIGN) * ALIGN] if staged else dst
                 mv, done = memoryview(buf), 0
                 while done < n:
