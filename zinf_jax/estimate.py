@@ -33,7 +33,7 @@ from zinf_jax.config import ZeroConfig
 from zinf_jax.engine.adapters import LinenAdapter, NnxAdapter, _get
 from zinf_jax.optim.driver import sub_groups
 from zinf_jax.sharding import local_shard_devices, make_mesh, plan_partition
-from zinf_jax.tiers.nvme import _chunk_shape
+from zinf_jax.tiers.nvme_layout import chunk_shape
 from zinf_jax.units import UnitPolicy
 
 __all__ = ["Machine", "MemoryEstimate", "CONFIGURATIONS", "RUNTIME_OVERHEAD", "estimate", "estimate_from_sizes",
@@ -264,7 +264,7 @@ def _nbytes(tree: Any) -> int:
 
 def _padded(shape: Sequence[int], itemsize: int) -> int:
     """Bytes of the zarr chunk files of one shard (edge chunks are stored whole)."""
-    chunk = _chunk_shape(shape, itemsize, 16 << 20)  # NvmeTier's default chunk_bytes
+    chunk = chunk_shape(shape, itemsize, 16 << 20)  # NvmeTier's default chunk_bytes
     return itemsize * math.prod(-(-s // k) * k for s, k in zip(shape, chunk))
 
 

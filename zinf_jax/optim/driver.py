@@ -4,9 +4,10 @@ Float32 master weights and both Adam moments live in a storage tier (host RAM
 or NVMe), sharded exactly like the parameters. Every shard is cut into chunks
 of at most ``sub_group_size`` elements; one *sub-group* is one
 ``(path, shard, chunk)`` triple across the three keys ``master/<path>``,
-``m/<path>`` and ``v/<path>``. Tier index of chunk ``c`` of shard ``i`` is
-``i * n_chunks + c``; the last chunk is zero-padded (Adam keeps zero padding
-with zero gradients at exactly zero, and only the valid part is ever updated).
+``m/<path>`` and ``v/<path>``; the chunks of a shard are near-equal
+(:func:`sub_groups`). Tier index of chunk ``c`` of shard ``i`` is
+``i * n_chunks + c``; the last chunk is zero-padded (only the valid part is
+ever updated).
 
 :meth:`StreamedAdam.step` makes one reduction pass over the gradient (global
 norm, non-finite check), then streams the sub-groups through a pool of at most
@@ -16,8 +17,8 @@ kept busy and the Adam kernel hides behind the I/O (DeepSpeed's pipelined
 NVMe optimizer: read(i+1) || Adam(i) || write(i-1)). The pool persists across
 steps (fresh buffers cost page faults): it holds ``buffer_count * min(largest
 shard, sub_group_size) * 12`` bytes, plus one multi-chunk shard (4 B/element)
-assembled for ``write_param``. A tier may hold its own copy of a buffer while
-writing it (tensorstore does), up to as many again.
+assembled for ``write_param``. The buffers are page-aligned: the NVMe tier
+reads and writes them with direct I/O, holding no copy of its own.
 """
 from __future__ import annotations
 
@@ -58,12 +59,11 @@ class _Group:
 
 
 def sub_groups(numel: int, sub_group_size: int) -> tuple[int, int]:
-    """``(chunk, n)``: a shard of ``numel`` elements as ``n`` near-equal sub-groups of ``chunk`` elements.
+    """``(chunk, n)``: the fewest sub-groups of at most ``sub_group_size`` elements, cut near-equal.
 
-    ``n`` is the fewest sub-groups of at most ``sub_group_size`` elements; the
-    last one is padded by fewer than ``n`` elements (the padding is stored and
-    moved every step, so equal cuts matter: ``min(numel, sub_group_size)``
-    chunks padded a shard just over the size almost twofold).
+    The last one is padded by fewer than ``n`` elements. Padding is stored and
+    moved every step: cuts of ``min(numel, sub_group_size)`` padded a shard just
+    over the size almost twofold.
     """
     numel = max(int(numel), 1)
     n = -(-numel // max(int(sub_group_size), 1))
@@ -74,7 +74,6 @@ class _BufferSet:
     """float32 buffers for one sub-group (master, m, v) and the futures still using them."""
 
     def __init__(self, size: int):
-        # page-aligned: the nvme tier reads and writes them with direct I/O, without staging copies
         self.arrays = tuple(aligned_empty(4 * size).view(np.float32) for _ in STATES)
         self.pending: list[Future] = []
 

@@ -30,7 +30,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-__all__ = ["ChunkIO", "chunk_ranges", "aligned_empty", "ZARR3_CODECS", "ZARR3_KEY_ENCODING", "ALIGN"]
+__all__ = ["ChunkIO", "all_of", "chunk_ranges", "aligned_empty", "ZARR3_CODECS", "ZARR3_KEY_ENCODING", "ALIGN"]
 
 ALIGN = 4096
 """Alignment of direct-I/O offsets, lengths and buffers (covers 512 B and 4 KiB sectors)."""
@@ -76,6 +76,27 @@ def chunk_ranges(shard_shape: Sequence[int], chunk_shape: Sequence[int]) -> Iter
             rows = min(chunk[cut], shape[cut] - k * chunk[cut])
             grid = (*outer, k) + tuple(0 for _ in shape[cut + 1 :])
             yield grid, base + k * chunk[cut] * inner, rows * inner, chunk[cut] * inner
+
+
+def all_of(futs: Sequence[Future]) -> Future:
+    """A future resolving when all of ``futs`` have, with the first exception if any failed."""
+    out: Future = Future()
+    left = [len(futs)]
+    lock = threading.Lock()
+
+    def one(_: Future) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            err = next((f.exception() for f in futs if f.exception() is not None), None)
+            out.set_exception(err) if err is not None else out.set_result(None)
+
+    if not futs:
+        out.set_result(None)
+    for f in futs:
+        f.add_done_callback(one)
+    return out
 
 
 def aligned_empty(nbytes: int) -> np.ndarray:

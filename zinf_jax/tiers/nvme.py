@@ -1,14 +1,6 @@
 """The NVMe tier: shards in tensorstore zarr3 arrays on a local disk.
 
-Layout under ``path`` (each process of a job owns one subdirectory, on its own
-host's disk)::
-
-    path/process_<p>/LOCK            exclusive flock held while the tier is open
-    path/process_<p>/MANIFEST.json   committed generation: key -> slot, specs, metadata
-    path/process_<p>/data/<key>/s0   zarr3 array (num_shards, *shard_shape), chunk = one shard
-                                     (cut along leading dims into pieces of <= chunk_bytes)
-    path/process_<p>/data/<key>/s1   the other slot
-
+The directory layout is described in :mod:`zinf_jax.tiers.nvme_layout`.
 Chunk files are read and written by :class:`~zinf_jax.tiers.direct.ChunkIO`
 (direct I/O, in place, in zarr3's own layout); tensorstore creates and
 validates the arrays, and plain tensorstore (or any zarr3 reader) opens them.
@@ -23,10 +15,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import json
-import math
 import os
-import re
 import shutil
 import threading
 from concurrent.futures import Future
@@ -37,97 +26,12 @@ import numpy as np
 import tensorstore as ts
 
 from zinf_jax.tiers.base import ByteBudget, ShardSpec, TierError, np_dtype
-from zinf_jax.tiers.direct import ALIGN, ZARR3_CODECS, ZARR3_KEY_ENCODING, ChunkIO, aligned_empty, chunk_ranges
+from zinf_jax.tiers.direct import ZARR3_CODECS, ZARR3_KEY_ENCODING, ChunkIO, aligned_empty, all_of, chunk_ranges
+from zinf_jax.tiers.nvme_layout import (
+    FORMAT, MANIFEST, check_dir, chunk_shape, key_dir, load_manifest, read_manifest, syncfs, write_manifest,
+)
 
 __all__ = ["NvmeTier", "read_manifest", "MANIFEST"]
-
-MANIFEST = "MANIFEST.json"
-_FORMAT = "zinf_jax.nvme/1"
-
-
-def read_manifest(process_dir: str | os.PathLike) -> dict[str, Any]:
-    """The committed manifest of one process directory (empty state if none)."""
-    p = Path(process_dir) / MANIFEST
-    if not p.exists():
-        return {"format": _FORMAT, "generation": 0, "keys": {}, "metadata": {}}
-    with open(p) as f:
-        return json.load(f)
-
-
-def _check_dir(root: Path) -> None:
-    if not root.exists():
-        raise TierError(f"nvme tier: path {str(root)!r} does not exist; create it or set offload path to a directory on a local disk")
-    if not root.is_dir():
-        raise TierError(f"nvme tier: path {str(root)!r} is not a directory; set offload path to a directory")
-    probe = root / f".zinf_probe_{os.getpid()}_{threading.get_ident()}"
-    try:
-        with open(probe, "wb") as f:
-            f.write(b"x")
-        probe.unlink()
-    except OSError as e:
-        raise TierError(f"nvme tier: path {str(root)!r} is not writable ({e.strerror}); choose a writable directory") from e
-
-
-def _chunk_shape(shard_shape: Sequence[int], itemsize: int, limit: int) -> list[int]:
-    """A chunk of one shard: the whole shard, or near-equal leading-dim pieces of <= ``limit`` bytes.
-
-    Several chunk files per large shard let tensorstore copy, write and fsync
-    them concurrently (one 256 MiB file is written and synced by one thread).
-    """
-    chunk = list(shard_shape)
-    if itemsize * int(np.prod(chunk, dtype=np.int64)) <= limit:
-        return chunk
-    for d, n in enumerate(chunk):
-        inner = itemsize * int(np.prod(chunk[d + 1 :], dtype=np.int64))
-        if inner <= limit:
-            pieces = -(-inner * n // limit)
-            chunk[d] = -(-n // pieces)
-            step = ALIGN // math.gcd(inner, ALIGN)  # rows per sector-aligned piece: no staging copy
-            if step * inner <= limit // 16:
-                chunk[d] = min(n, -(-chunk[d] // step) * step)
-            return chunk
-        chunk[d] = 1
-    return chunk
-
-
-def _syncfs(path: Path) -> None:
-    """Flushes every dirty page of the filesystem holding ``path`` (one call instead of an fsync per file)."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if libc.syncfs(fd) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err))
-    finally:
-        os.close(fd)
-
-
-def _all_of(futs: Sequence[Future]) -> Future:
-    """A future resolving when all of ``futs`` have, with the first exception if any failed."""
-    out: Future = Future()
-    left = [len(futs)]
-    lock = threading.Lock()
-
-    def one(_: Future) -> None:
-        with lock:
-            left[0] -= 1
-            last = left[0] == 0
-        if last:
-            err = next((f.exception() for f in futs if f.exception() is not None), None)
-            out.set_exception(err) if err is not None else out.set_result(None)
-
-    if not futs:
-        out.set_result(None)
-    for f in futs:
-        f.add_done_callback(one)
-    return out
-
-
-def _safe(key: str) -> str:
-    parts = [re.sub(r"[^A-Za-z0-9._-]", "_", p) or "_" for p in key.split("/")]
-    return "/".join(p if p not in (".", "..") else "_" + p for p in parts)
 
 
 class NvmeTier:
@@ -170,7 +74,7 @@ class NvmeTier:
         if sync not in (True, False, "write", "commit"):  # before the lock is taken
             raise ValueError(f"nvme tier sync must be 'commit', 'write' (True) or False, got {sync!r}")
         root = Path(path)
-        _check_dir(root)
+        check_dir(root)
         if process_index is None:
             import jax
 
@@ -194,19 +98,11 @@ class NvmeTier:
         self._lockf.flush()
 
         try:
-            man = read_manifest(self.dir)
-            self._generation = int(man["generation"])
-            self._meta: dict[str, Any] = dict(man.get("metadata", {}))
-            self._specs = {k: ShardSpec.from_json(v["spec"]) for k, v in man["keys"].items()}
-            self._local = {k: list(v["local"]) for k, v in man["keys"].items()}
-            self._slot = {k: int(v["slot"]) for k, v in man["keys"].items()}
-        except (OSError, ValueError, KeyError, TypeError) as e:  # it is only ever replaced whole: edited by hand?
+            self._generation, self._meta, self._specs, self._local, self._slot = load_manifest(self.dir)
+        except TierError:
             fcntl.flock(self._lockf, fcntl.LOCK_UN)
             self._lockf.close()
-            raise TierError(
-                f"nvme tier: {str(self.dir / MANIFEST)!r} is unreadable ({type(e).__name__}: {e}); "
-                "restore from a checkpoint into an empty offload path"
-            ) from e
+            raise
         self.budget = ByteBudget(max_in_flight_bytes)
         self._chunk_bytes = int(chunk_bytes)
         self._sync_at_commit = sync == "commit"
@@ -256,7 +152,7 @@ class NvmeTier:
         spec = self._specs[key]
         meta: dict[str, Any] = {"shape": [spec.num_shards, *spec.shard_shape], "data_type": spec.dtype}
         if fresh:  # an existing array keeps the chunking it was created with
-            chunk = _chunk_shape(spec.shard_shape, np.dtype(np_dtype(spec.dtype)).itemsize, self._chunk_bytes)
+            chunk = chunk_shape(spec.shard_shape, np.dtype(np_dtype(spec.dtype)).itemsize, self._chunk_bytes)
             meta["chunk_grid"] = {"name": "regular", "configuration": {"chunk_shape": [1, *chunk]}}
             meta["chunk_key_encoding"] = ZARR3_KEY_ENCODING
             meta["codecs"] = ZARR3_CODECS
@@ -275,7 +171,7 @@ class NvmeTier:
         return h
 
     def _slot_dir(self, key: str, slot: int) -> Path:
-        return self.dir / "data" / _safe(key) / f"s{slot}"
+        return self.dir / "data" / key_dir(key) / f"s{slot}"
 
     def _error(self, e: Exception, what: str, key: str, index: int | None) -> TierError:
         msg = str(e)
@@ -348,7 +244,7 @@ class NvmeTier:
             with self._lock:
                 self._failed.append(err)
             raise err from e
-        fut = self._track(_all_of(parts), arr.nbytes, "writing", key, index)
+        fut = self._track(all_of(parts), arr.nbytes, "writing", key, index)
         with self._lock:
             self._inflight[(key, index)] = fut
         return fut
@@ -399,7 +295,7 @@ class NvmeTier:
         self.budget.acquire(spec.shard_nbytes)
         try:
             futs = [self._io.read(path, data) for path, data, _ in self._chunk_files(key, slot, index, h, out)]
-            return self._track(_all_of(futs), spec.shard_nbytes, "reading", key, index, result=out)
+            return self._track(all_of(futs), spec.shard_nbytes, "reading", key, index, result=out)
         except Exception as e:
             self.budget.release(spec.shard_nbytes)
             raise self._error(e, "reading", key, index) from e
@@ -434,7 +330,7 @@ class NvmeTier:
                     self.put(key, i, self.get(key, i).result())
             self.wait()
             if self._sync_at_commit and self._written:
-                _syncfs(self.dir)
+                syncfs(self.dir)
         except TierError:
             self._abort()
             raise
@@ -443,23 +339,13 @@ class NvmeTier:
             raise self._error(e, "flushing", "data", None) from e
         slots = {**self._slot, **self._pending_slot}
         man = {
-            "format": _FORMAT,
+            "format": FORMAT,
             "generation": self._generation + 1,
             "keys": {k: {"slot": slots[k], "spec": self._specs[k].to_json(), "local": self._local[k]} for k in slots},
             "metadata": dict(self._meta if metadata is None else metadata),
         }
-        tmp = self.dir / (MANIFEST + ".tmp")
         try:
-            with open(tmp, "w") as f:
-                json.dump(man, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.dir / MANIFEST)
-            dfd = os.open(self.dir, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+            write_manifest(self.dir, man)
         except OSError as e:
             self._abort()
             raise self._error(e, "committing", "MANIFEST", None) from e
@@ -488,7 +374,7 @@ class NvmeTier:
             self._failed.clear()
         for key, slot in dead.items():
             self._handles.pop((key, slot), None)
-            shutil.rmtree(self.dir / "data" / _safe(key) / f"s{slot}", ignore_errors=True)
+            shutil.rmtree(self.dir / "data" / key_dir(key) / f"s{slot}", ignore_errors=True)
 
     def metadata(self) -> dict[str, Any]:
         return dict(self._meta)

@@ -48,10 +48,10 @@ def open_tier(
             raise ValueError("offload device 'nvme' needs a path (Offload('nvme', path=...) / nvme_path)")
         root = os.fspath(path)
         if subdir:
-            from zinf_jax.tiers.nvme import _check_dir
+            from zinf_jax.tiers.nvme_layout import check_dir
             from pathlib import Path
 
-            _check_dir(Path(root))
+            check_dir(Path(root))
             root = os.path.join(root, subdir)
             os.makedirs(root, exist_ok=True)
         return NvmeTier(root, max_in_flight_bytes=max_in_flight_bytes, direct_io=direct_io)
