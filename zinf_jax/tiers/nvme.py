@@ -51,6 +51,10 @@ class NvmeTier:
         (written, synced and read concurrently).
       read_threads: chunk files read at once.
       write_threads: chunk files written at once.
+      direct_min_bytes: shards smaller than this are read and written by
+        tensorstore's own (C++) I/O instead: on many small files the per-file
+        Python work of the direct path, contending with the training loop for
+        the GIL, cost more than the copy (the 8-device demo job ran 35% slower).
 
     Raises:
       TierError: the path is missing, not a directory or not writable, or
@@ -70,6 +74,7 @@ class NvmeTier:
         chunk_bytes: int = 16 << 20,
         read_threads: int = 4,
         write_threads: int = 4,
+        direct_min_bytes: int = 1 << 20,
     ):
         if sync not in (True, False, "write", "commit"):  # before the lock is taken
             raise ValueError(f"nvme tier sync must be 'commit', 'write' (True) or False, got {sync!r}")
@@ -107,7 +112,12 @@ class NvmeTier:
         self._chunk_bytes = int(chunk_bytes)
         self._sync_at_commit = sync == "commit"
         self._io = ChunkIO(read_threads, write_threads, sync=sync in (True, "write"), direct_read=direct_io)
-        self._ctx = ts.Context({"cache_pool": {"total_bytes_limit": 0}})  # chunk data never goes through tensorstore
+        self._direct_min = int(direct_min_bytes)
+        ctx: dict[str, Any] = {"cache_pool": {"total_bytes_limit": 0}, "file_io_sync": sync in (True, "write"),
+                               "file_io_concurrency": {"limit": 32}}
+        if direct_io:
+            ctx["file_io_mode"] = {"mode": "direct"}
+        self._ctx = ts.Context(ctx)
         self._pending_slot: dict[str, int] = {}
         self._written: dict[str, set[int]] = {}
         self._handles: dict[tuple[str, int], ts.TensorStore] = {}
@@ -237,7 +247,10 @@ class NvmeTier:
             raise
         self.budget.acquire(arr.nbytes)
         try:
-            parts = self._write_chunks(key, slot, index, h, arr)
+            if spec.shard_nbytes < self._direct_min:
+                parts = [h[index].write(arr).commit]
+            else:
+                parts = self._write_chunks(key, slot, index, h, arr)
         except Exception as e:
             self.budget.release(arr.nbytes)
             err = self._error(e, "writing", key, index)
@@ -294,7 +307,10 @@ class NvmeTier:
             )
         self.budget.acquire(spec.shard_nbytes)
         try:
-            futs = [self._io.read(path, data) for path, data, _ in self._chunk_files(key, slot, index, h, out)]
+            if spec.shard_nbytes < self._direct_min:
+                futs = [ts.array(out, copy=False, write=True).write(h[index]).commit]
+            else:
+                futs = [self._io.read(path, data) for path, data, _ in self._chunk_files(key, slot, index, h, out)]
             return self._track(all_of(futs), spec.shard_nbytes, "reading", key, index, result=out)
         except Exception as e:
             self.budget.release(spec.shard_nbytes)
