@@ -45,7 +45,6 @@ import pstats  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -65,34 +64,13 @@ from zinf_jax.sharding import local_shard_devices, make_mesh, plan_partition  # 
 from zinf_jax.tiers import CpuTier, DeviceTier, NvmeTier  # noqa: E402
 from zinf_jax.units import UnitPolicy  # noqa: E402
 
+from bench_tiers import fstype, scratch_root  # noqa: E402  (same folder)
+
 REPO = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
 
 
 # --- building -------------------------------------------------------------------------
-def _fstype(path: Path) -> str:
-    best, fs = "", "?"
-    with open("/proc/mounts") as f:
-        for line in f:
-            parts = line.split()
-            mnt = parts[1]
-            if str(path).startswith(mnt) and len(mnt) > len(best):
-                best, fs = mnt, parts[2]
-    return fs
-
-
-def _scratch_root(arg: str | None) -> Path:
-    """A directory on a real disk: ``--dir``, else the temp dir unless it is tmpfs, else the repo's disk."""
-    if arg:
-        base = Path(arg)
-    else:
-        base = Path(tempfile.gettempdir())
-        if _fstype(base.resolve()) in ("tmpfs", "ramfs"):
-            base = REPO / "results"
-    base.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix="zinf_bench_engine_", dir=base))
-
-
 def _tier(kind: str, mesh, root: Path):
     loc = local_shard_devices(mesh)
     place = lambda i: loc[i][0]  # noqa: E731
@@ -391,12 +369,12 @@ def main(argv=None) -> int:
     args.depths = [int(x) for x in args.depths.split(",") if x]
 
     mesh = make_mesh()
-    root = _scratch_root(args.dir)
+    root = scratch_root(args.dir, "zinf_bench_engine_")
     t_start = time.perf_counter()
     result = {
         "benchmark": "bench_engine", "jax": jax.__version__, "devices": len(jax.devices()),
         "platform": platform.platform(), "cpus": os.cpu_count(), "load_avg_start": os.getloadavg(),
-        "scratch_dir": str(root), "scratch_fs": _fstype(root), "prefetch_depth": args.prefetch_depth,
+        "scratch_dir": str(root), "scratch_fs": fstype(root), "prefetch_depth": args.prefetch_depth,
         "threshold": args.threshold, "argv": sys.argv[1:],
     }
     try:

@@ -33,10 +33,11 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
+
+from bench_tiers import fstype, scratch_root  # same folder
 
 REPO = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
@@ -150,29 +151,8 @@ def child(args) -> dict:
 
 
 # --- the parent -------------------------------------------------------------------------------
-def _fstype(path: Path) -> str:
-    best, fs = "", "?"
-    with open("/proc/mounts") as f:
-        for line in f:
-            parts = line.split()
-            if str(path).startswith(parts[1]) and len(parts[1]) > len(best):
-                best, fs = parts[1], parts[2]
-    return fs
-
-
-def _scratch_root(arg: str | None) -> Path:
-    if arg:
-        base = Path(arg)
-    else:
-        base = Path(tempfile.gettempdir())
-        if _fstype(base.resolve()) in ("tmpfs", "ramfs"):
-            base = REPO / "results"
-    base.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix="zinf_bench_init_", dir=base))
-
-
 def parent(args) -> int:
-    root = _scratch_root(args.dir)
+    root = scratch_root(args.dir, "zinf_bench_init_")
     n_params_est = args.layers * (12 * args.d_model ** 2 + 9 * args.d_model) + (256 + args.seq + 2) * args.d_model
     need = n_params_est * 16 * 1.05
     free = shutil.disk_usage(root).free
@@ -180,7 +160,7 @@ def parent(args) -> int:
         shutil.rmtree(root, ignore_errors=True)
         raise SystemExit(f"model state {need / 1e9:.1f} GB exceeds --max-disk-gb {args.max_disk_gb} or free space")
     result = {"benchmark": "bench_init_memory", "argv": sys.argv[1:], "scratch_dir": str(root),
-              "scratch_fs": _fstype(root), "load_avg_start": os.getloadavg(), "runs": {}}
+              "scratch_fs": fstype(root), "load_avg_start": os.getloadavg(), "runs": {}}
     try:
         for rep in range(args.reps):
             for mode in args.modes:

@@ -58,7 +58,7 @@ def _parse_bytes(s: str) -> int:
     return int(float(s))
 
 
-def _fstype(path: Path) -> str:
+def fstype(path: Path) -> str:
     """File system type of the mount holding ``path`` (from /proc/mounts)."""
     best, kind = "", "?"
     real = os.path.realpath(path)
@@ -71,6 +71,18 @@ def _fstype(path: Path) -> str:
     except OSError:
         pass
     return kind
+
+
+def scratch_root(arg: str | None, prefix: str) -> Path:
+    """A fresh directory on a real disk: under ``arg``, else the temp dir unless it is tmpfs, else results/."""
+    if arg:
+        base = Path(arg)
+    else:
+        base = Path(tempfile.gettempdir())
+        if fstype(base.resolve()) in ("tmpfs", "ramfs"):
+            base = Path(__file__).resolve().parents[1] / "results"
+    base.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
 
 
 def _aligned(nbytes: int) -> mmap.mmap:
@@ -287,9 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     total = _parse_bytes(a.total)
     base = Path(a.dir) if a.dir else Path.cwd()
     base.mkdir(parents=True, exist_ok=True)
-    fstype = _fstype(base)
-    if fstype in ("tmpfs", "ramfs"):
-        print(f"warning: {base} is on {fstype}: this measures RAM, not a disk", file=sys.stderr)
+    fs = fstype(base)
+    if fs in ("tmpfs", "ramfs"):
+        print(f"warning: {base} is on {fs}: this measures RAM, not a disk", file=sys.stderr)
     tier_opts: dict = {"max_in_flight_bytes": _parse_bytes(a.inflight)}
     if a.chunk_mib is not None:
         tier_opts["chunk_bytes"] = int(a.chunk_mib * MiB) if a.chunk_mib > 0 else 1 << 62
@@ -302,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {base} has {free / GB:.1f} GB free, need {need / GB:.1f} GB", file=sys.stderr)
         return 2
     root = Path(tempfile.mkdtemp(prefix=".bench_tiers.", dir=base))
-    print(f"measuring in {root} ({fstype}); {total / MiB:.0f} MiB per size, {a.reps} reps", flush=True)
+    print(f"measuring in {root} ({fs}); {total / MiB:.0f} MiB per size, {a.reps} reps", flush=True)
     results = []
     try:
         for size in sizes:
@@ -321,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         "target": "tier/raw >= 0.8 for read and write at shard >= 64 MiB",
         "config": {"sizes_mib": [s // MiB for s in sizes], "total_bytes": total, "reps": a.reps,
                    "threads": a.threads, "keys": a.keys, "modes": a.modes.split(","),
-                   "tier_options": {k: v for k, v in tier_opts.items()}, "dir": str(base), "fstype": fstype},
+                   "tier_options": {k: v for k, v in tier_opts.items()}, "dir": str(base), "fstype": fs},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
                     "tensorstore": getattr(tensorstore, "__version__", "?"),
                     "time": time.strftime("%Y-%m-%dT%H:%M:%S")},
