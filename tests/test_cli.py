@@ -1,4 +1,5 @@
 """The main job and the command line: trains, saves, resumes; bad input gives one clear error."""
+import contextlib
 import json
 import os
 import subprocess
@@ -67,35 +68,32 @@ def test_resume_without_checkpoint(tmp_path, capsys):
     assert "no zinf_jax checkpoint" in capsys.readouterr().err
 
 
-def _mount_tmpfs(path, opts):
+@contextlib.contextmanager
+def _tmpfs(path, opts):
+    """A tmpfs at ``path`` for the block; it must unmount cleanly after (busy: the run left tier files open)."""
     path.mkdir()
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True)
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here ({r.stderr.decode().strip()}); needs root")
+    try:
+        yield path
+    finally:
+        unmounted = subprocess.run(["umount", str(path)], capture_output=True).returncode == 0
+        if not unmounted:
+            subprocess.run(["umount", "-l", str(path)])
+    assert unmounted, f"{path} still in use: the failed run did not release its nvme tier"
 
 
 def test_read_only_and_full_nvme_path(tmp_path, capsys):
-    ro = tmp_path / "ro"
-    _mount_tmpfs(ro, "size=1m,ro")
-    try:
+    with _tmpfs(tmp_path / "ro", "size=1m,ro") as ro:
         assert _run(tmp_path, "--steps", "1", "--nvme-dir", str(ro)) == 2
         assert "not writable" in capsys.readouterr().err
-    finally:
-        subprocess.run(["umount", str(ro)])
     # a good run, then a full disk: the error is clear and the saved checkpoint stays intact
     assert _run(tmp_path, "--steps", "2", "--param-device", "cpu", "--optimizer-device", "cpu") == 0
     ckpt = tmp_path / "run" / "ckpt" / "step_00000002"
     before = sorted((p.relative_to(ckpt), p.stat().st_size) for p in ckpt.rglob("*") if p.is_file())
-    full = tmp_path / "full"
-    _mount_tmpfs(full, "size=64k")
-    try:
+    with _tmpfs(tmp_path / "full", "size=64k") as full:
         assert _run(tmp_path, "--steps", "4", "--nvme-dir", str(full)) == 2
         assert "disk full" in capsys.readouterr().err
-    finally:
-        # busy if the failed run left tier files (its directory lock) open
-        unmounted = subprocess.run(["umount", str(full)], capture_output=True).returncode == 0
-        if not unmounted:
-            subprocess.run(["umount", "-l", str(full)])
-    assert unmounted, "the failed run did not release its nvme tier"
     after = sorted((p.relative_to(ckpt), p.stat().st_size) for p in ckpt.rglob("*") if p.is_file())
     assert before == after and os.path.exists(ckpt / "zinf_meta.json")
