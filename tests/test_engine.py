@@ -78,49 +78,40 @@ def test_dropout_is_active_and_replayed(gpt_reference):
     np.testing.assert_allclose(float(l2), float(lm_loss(model, batch)), rtol=1e-5)
 
 
-@pytest.mark.parametrize("tier", ["device", "cpu", "nvme"])
-def test_linen_convnet_matches(tier, tmp_path):
-    mesh = make_mesh()
-    x = jax.random.normal(jax.random.key(1), (8, 6, 6, 3))
-    y = jax.random.normal(jax.random.key(2), (8, 3))
-    net = ConvNet()
+def _linen_matches_value_and_grad(net, x, y, loss, tier, tmp_path, **adapter_kw):
+    """Streamed loss and every grad equal value_and_grad of the unwrapped Linen model; returns the model."""
     params = net.init(jax.random.key(0), x)["params"]
-    ref_loss, ref_g = jax.value_and_grad(lambda p: mse_loss(lambda a: net.apply({"params": p}, a), (x, y)))(params)
+    ref_loss, ref_g = jax.value_and_grad(lambda p: loss(lambda *a: net.apply({"params": p}, *a), (x, y)))(params)
     ref = {"/".join(k): np.asarray(v) for k, v in traverse_util.flatten_dict(ref_g).items()}
-    ad = linen_adapter(net, x, threshold=0)
-    assert [u.path for u in ad.units] == ["Conv_0", "Conv_1", "Dense_0", "Dense_1"]
-    sm = build(ad, tier, threshold=0, path=tmp_path)
-    kinds = {l.kind for l in sm.store.layouts.values()}
-    assert "flat" in kinds  # shapes that do not divide by 8 are padded and flattened
-    batch = jax.device_put((x, y), NamedSharding(mesh, P("fsdp")))
-    loss, _, g_glue = sm.forward_backward(mse_loss, batch, [], has_aux=False)
-    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
-    grads = streamed_grads(sm, g_glue)
-    for path, r in ref.items():
-        np.testing.assert_allclose(grads[path], r, rtol=1e-5, atol=1e-7, err_msg=path)
-    sm.store.tier.close()
-
-
-def test_linen_blocks_as_units_with_a_positional_flag():
-    """Units with children of their own, whose names repeat at the top level (Dense_0), called as
-    block(x, train): the children run inside the unit, the bool selects a program variant."""
-    mesh = make_mesh()
-    x = jax.random.normal(jax.random.key(1), (8, 16))
-    y = jax.random.normal(jax.random.key(2), (8, 3))
-    net = LinenMLP()
-    params = net.init(jax.random.key(0), x)["params"]
-    loss = lambda apply, b: jnp.mean((apply(b[0], False) - b[1]) ** 2)  # noqa: E731  (dropout off)
-    ref_loss, ref_g = jax.value_and_grad(lambda p: loss(lambda a, t: net.apply({"params": p}, a, t), (x, y)))(params)
-    ref = {"/".join(k): np.asarray(v) for k, v in traverse_util.flatten_dict(ref_g).items()}
-    ad = linen_adapter(net, x, threshold=0, policy=UnitPolicy(patterns=(r"block_\d+",)))
-    assert {"block_0", "block_1"} <= {u.path for u in ad.units}
-    sm = build(ad, "device", threshold=0)
-    batch = jax.device_put((x, y), NamedSharding(mesh, P("fsdp")))
+    sm = build(linen_adapter(net, x, threshold=0, **adapter_kw), tier, threshold=0, path=tmp_path)
+    batch = jax.device_put((x, y), NamedSharding(sm.mesh, P("fsdp")))
     l, _, g_glue = sm.forward_backward(loss, batch, [], has_aux=False)
     np.testing.assert_allclose(float(l), float(ref_loss), rtol=1e-5)
     grads = streamed_grads(sm, g_glue)
     for path, r in ref.items():
         np.testing.assert_allclose(grads[path], r, rtol=1e-5, atol=1e-7, err_msg=path)
+    return sm
+
+
+@pytest.mark.parametrize("tier", ["device", "cpu", "nvme"])
+def test_linen_convnet_matches(tier, tmp_path):
+    x = jax.random.normal(jax.random.key(1), (8, 6, 6, 3))
+    y = jax.random.normal(jax.random.key(2), (8, 3))
+    sm = _linen_matches_value_and_grad(ConvNet(), x, y, mse_loss, tier, tmp_path)
+    assert [u.path for u in sm.adapter.units] == ["Conv_0", "Conv_1", "Dense_0", "Dense_1"]
+    assert "flat" in {l.kind for l in sm.store.layouts.values()}  # shapes not dividing by 8: padded, flattened
+    sm.store.tier.close()
+
+
+def test_linen_blocks_as_units_with_a_positional_flag(tmp_path):
+    """Units with children of their own, whose names repeat at the top level (Dense_0), called as
+    block(x, train): the children run inside the unit, the bool selects a program variant."""
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+    y = jax.random.normal(jax.random.key(2), (8, 3))
+    loss = lambda apply, b: jnp.mean((apply(b[0], False) - b[1]) ** 2)  # noqa: E731  (dropout off)
+    sm = _linen_matches_value_and_grad(LinenMLP(), x, y, loss, "device", tmp_path,
+                                       policy=UnitPolicy(patterns=(r"block_\d+",)))
+    assert {"block_0", "block_1"} <= {u.path for u in sm.adapter.units}
 
 
 def test_forward_only_matches_and_under_jit_refuses():
