@@ -4,7 +4,8 @@ tensorstore writes a chunk through the page cache into a temporary file, then
 fsyncs and renames it. On a small host that costs a kernel copy of every byte
 plus page-cache pressure, and the measured write bandwidth stayed at 58-72% of
 the raw disk (``scripts/bench_tiers.py``). The tier therefore moves the chunk
-files itself, in the exact layout tensorstore's ``zarr3`` driver reads and
+files of large shards itself (small ones, where per-file Python work would
+dominate, stay with tensorstore), in the exact layout tensorstore's ``zarr3`` driver reads and
 writes (uncompressed ``bytes`` codec, little endian, ``default`` chunk keys
 with ``/`` separators: ``<array>/c/<i0>/<i1>/...``); tensorstore creates and
 validates the arrays, and any zarr3 reader can open them.

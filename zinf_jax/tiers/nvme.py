@@ -1,9 +1,10 @@
 """The NVMe tier: shards in tensorstore zarr3 arrays on a local disk.
 
 The directory layout is described in :mod:`zinf_jax.tiers.nvme_layout`.
-Chunk files are read and written by :class:`~zinf_jax.tiers.direct.ChunkIO`
-(direct I/O, in place, in zarr3's own layout); tensorstore creates and
-validates the arrays, and plain tensorstore (or any zarr3 reader) opens them.
+Chunk files of shards of ``direct_min_bytes`` and more are read and written
+by :class:`~zinf_jax.tiers.direct.ChunkIO` (direct I/O, in place, in zarr3's
+own layout), smaller ones by tensorstore; tensorstore creates and validates the
+arrays, and plain tensorstore (or any zarr3 reader) opens them.
 
 Crash safety comes from double buffering: a key's writes in a new generation go
 to the slot the manifest does *not* point at; :meth:`NvmeTier.commit` waits for
@@ -42,8 +43,8 @@ class NvmeTier:
       process_index: this process's index (default ``jax.process_index()``).
       max_in_flight_bytes: bound on bytes of reads and writes in flight.
       direct_io: read with ``O_DIRECT`` too, bypassing the page cache, so reads
-        measure the disk. Writes always use ``O_DIRECT`` where the file system
-        allows it.
+        measure the disk. Writes of shards of ``direct_min_bytes`` and more
+        always use ``O_DIRECT`` where the file system allows it.
       sync: how writes are made durable before a commit publishes them: ``"write"``/``True``
         (default: every chunk file is ``fdatasync``-ed as it is written), ``"commit"``
         (one ``syncfs`` at commit), ``False`` (not durable; benchmarks only).
