@@ -54,7 +54,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from zinf_jax.engine.adapters import NnxAdapter  # noqa: E402
+from zinf_jax.engine.nnx_adapter import NnxAdapter  # noqa: E402
 from zinf_jax.engine.init import init_unit_by_unit  # noqa: E402
 from zinf_jax.engine.programs import UnitPrograms  # noqa: E402
 from zinf_jax.engine.store import ParamStore  # noqa: E402

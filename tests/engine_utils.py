@@ -4,7 +4,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from zinf_jax.engine.adapters import LinenAdapter, NnxAdapter
+from zinf_jax.engine.linen_adapter import LinenAdapter
+from zinf_jax.engine.nnx_adapter import NnxAdapter
 from zinf_jax.engine.init import INIT_BATCH_BYTES, init_unit_by_unit
 from zinf_jax.engine.store import ParamStore
 from zinf_jax.engine.streamed import StreamedModel
@@ -38,7 +39,7 @@ def fill_random(store, seed=0):
 def build(adapter, tier_kind, *, threshold, path=None, depth=2, mesh=None, compute_dtype="float32",
           init="model", init_batch_bytes=INIT_BATCH_BYTES, **kw):
     mesh = mesh or make_mesh()
-    lays = plan_partition(adapter.abstract_params, mesh, threshold)
+    lays = plan_partition(adapter.abstract_params, mesh, threshold, adapter.layout_hints)
     store = ParamStore(open_param_tier(tier_kind, mesh, path), lays, mesh, compute_dtype)
     if init == "model":
         init_unit_by_unit(adapter, store, batch_bytes=init_batch_bytes)

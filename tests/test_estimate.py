@@ -182,7 +182,8 @@ def test_device_does_not_grow_with_layers_when_activations_are_offloaded():
     (d3, h3), (d6, h6) = dev(3, True), dev(6, True)
     assert 0 <= d6 - d3 <= 3 * 12 * N_DEVICES and h6 > h3  # only each block's dropout key + count (12 B a device) grows
     per_block = BATCH * CFG.seq * CFG.d_model * 4  # one float32 checkpoint per block call
-    assert dev(6, False)[0] - dev(3, False)[0] == d6 - d3 + 3 * per_block
+    # and each checkpoint on device also holds the block's RNG state at the call (for the exact replay)
+    assert 0 <= dev(6, False)[0] - dev(3, False)[0] - (d6 - d3 + 3 * per_block) <= 3 * 12 * N_DEVICES
 
 
 def test_fits_and_report():

@@ -16,14 +16,15 @@ from typing import Any, Callable, Mapping
 
 import flax.linen as nn
 import jax
+from flax import nnx
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zinf_jax.config import ZeroConfig
-from zinf_jax.engine.adapters import LinenAdapter, NnxAdapter
 from zinf_jax.engine.init import init_unit_by_unit
 from zinf_jax.engine.store import ParamStore
-from zinf_jax.engine.streamed import StreamedModel
+from zinf_jax.engine.streamed import ParamLoss, StreamedModel
+from zinf_jax.engine.wrap import make_adapter
 from zinf_jax.optim import AdamSpec, StreamedAdam, adam, adamw
 from zinf_jax.sharding import ParamLayout, batch_spec, from_stored, make_mesh, plan_partition, split_local
 from zinf_jax.tiers import open_tier
@@ -57,11 +58,13 @@ class Engine:
     """
 
     def __init__(self, *, adapter: Any, config: ZeroConfig, mesh: Mesh, optimizer: AdamSpec, loss_fn: Callable,
-                 has_aux: bool, init: str = "fresh", track_live_arrays: bool = False):
+                 has_aux: bool, init: str = "fresh", track_live_arrays: bool = False,
+                 param_loss: ParamLoss | None = None):
         self.adapter, self.config, self.mesh, self.loss_fn, self.has_aux = adapter, config, mesh, loss_fn, has_aux
         self.optimizer_spec = optimizer
         self.compute_dtype = config.resolved_compute_dtype(jax.devices()[0].platform)
-        self.layouts: dict[str, ParamLayout] = plan_partition(adapter.abstract_params, mesh, config.persistence_threshold)
+        self.layouts: dict[str, ParamLayout] = plan_partition(adapter.abstract_params, mesh, config.persistence_threshold,
+                                                              adapter.layout_hints)
         placement = self._placement()
         po, oo = config.offload_param, config.offload_optimizer
         with contextlib.ExitStack() as undo:  # a failure while building releases the tiers (and their locks)
@@ -86,12 +89,10 @@ class Engine:
 
                 init_unit_by_unit(adapter, self.store, on_param=to_optimizer, metadata={"step": 0})
                 self.optimizer.commit({"step": 0})
-            elif init == "reopen":
-                self.optimizer.restore_state()
-                self._sync_params_with_master()
             self.streamed = StreamedModel(
                 adapter, self.store, prefetch_depth=config.prefetch_depth, max_live_bytes=config.max_live_bytes,
                 offload_activations=config.offload_activations, track_live_arrays=track_live_arrays,
+                param_loss=param_loss,
             )
             undo.pop_all()
         self.user_state: dict[str, Any] = {}
@@ -115,15 +116,6 @@ class Engine:
 
         return shard_index_of(self.mesh, d)
 
-    def _sync_params_with_master(self) -> None:
-        """After a crash between the optimizer and param commits, rebuild params from the master."""
-        if self.param_tier.metadata().get("step") == self.optimizer.step_count:
-            return
-        for path in self.layouts:
-            for idx in self.store.local_indices(path):
-                self.store.put_local(path, idx, self.optimizer.read_master(path, idx))
-        self.store.commit({"step": self.optimizer.step_count})
-
     # --- steps ---------------------------------------------------------------------
     @property
     def step(self) -> int:
@@ -131,14 +123,22 @@ class Engine:
         return self.optimizer.step_count
 
     def shard_batch(self, batch: Any) -> Any:
-        """Places a process-local batch on the mesh, split over the data-parallel axes."""
+        """Places a process-local batch on the mesh, split over the data-parallel axes.
+
+        Typed PRNG keys (``jax.random.key(step)``) are replicated, and NNX objects
+        (an ``nnx.Rngs``) pass through as state.
+        """
         def put(x):
+            if nnx.graph.is_graph_node(x):  # an nnx.Rngs passed with the batch: state, not data
+                return x
             if isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) and x.sharding.mesh == self.mesh:
                 return x
+            if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):  # a dropout key: every device
+                return jax.device_put(x, NamedSharding(self.mesh, P()))
             x = np.asarray(x)
             return jax.make_array_from_process_local_data(NamedSharding(self.mesh, batch_spec(self.mesh, x.ndim)), x)
 
-        return jax.tree.map(put, batch)
+        return jax.tree.map(put, batch, is_leaf=nnx.graph.is_graph_node)
 
     def train_step(self, batch: Any) -> dict[str, Any]:
         """One streamed forward/backward and optimizer step.
@@ -168,7 +168,7 @@ class Engine:
         self.optimizer.commit(meta)
         self.store.commit(meta)
         elapsed = time.perf_counter() - t0
-        first = jax.tree.leaves(batch)[0]
+        first = next(x for x in jax.tree.leaves(batch, is_leaf=nnx.graph.is_graph_node) if hasattr(x, "shape"))
         out = {
             "loss": float(loss),
             **m,
@@ -218,6 +218,13 @@ class Engine:
         """float32 master values in the model's own structure (``nnx.State`` or Linen params dict)."""
         return self.adapter.structure(self.param_arrays())
 
+    def model_state(self) -> Any:
+        """The model's non-parameter state (NNX: RNG keys and counts, ``BatchStat``; Linen: ``batch_stats``
+        and other kept collections), as host arrays in the model's own structure."""
+        host = jax.tree.map(lambda x: x if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else np.asarray(x),
+                            self.streamed.state)
+        return self.adapter.model_state(host)
+
     def save(self, directory: str | os.PathLike, *, user_state: Mapping[str, Any] | None = None) -> Path:
         """Saves the whole training state with orbax (atomic). See :mod:`zinf_jax.checkpoint`."""
         from zinf_jax.checkpoint import save
@@ -257,6 +264,8 @@ def initialize(
     init_kwargs: Mapping[str, Any] | None = None,
     unit_policy: UnitPolicy | None = None,
     has_aux: bool = False,
+    param_loss: ParamLoss | None = None,
+    logical_axis_rules: Any = None,
     track_live_arrays: bool = False,
 ) -> Engine:
     """Builds a ZeRO-3/Infinity engine for a Flax model.
@@ -274,6 +283,15 @@ def initialize(
       init_args, init_kwargs: Linen only: arguments of ``module.init``.
       unit_policy: which submodules are units (default: blocks, embedding, head).
       has_aux: ``loss_fn`` returns ``(loss, aux)``.
+      param_loss: ``param_loss(path, value) -> scalar``, a loss term per
+        parameter added to the training loss (e.g. L2 on kernels:
+        ``lambda path, w: 5e-4 * jnp.sum(w ** 2) if path.endswith("kernel") else 0.0``).
+        ``loss_fn`` never sees the parameters of streamed units; this is
+        applied unit by unit where they are gathered anyway, exactly.
+      logical_axis_rules: Linen: rules mapping the logical axis names of
+        ``nn.with_logical_partitioning`` parameters to mesh axes; the dimension
+        mapped to ``fsdp`` is the one sharded (default: the rules of an
+        enclosing ``nn.logical_axis_rules`` context, if any).
       track_live_arrays: record ``jax.live_arrays()`` peaks (tests, benchmarks).
 
     Raises:
@@ -281,26 +299,21 @@ def initialize(
         naming the problem and the fix.
     """
     return _build(model, config=config, mesh=mesh, optimizer=optimizer, loss_fn=loss_fn, init_args=init_args,
-                  init_kwargs=init_kwargs, unit_policy=unit_policy, has_aux=has_aux,
-                  track_live_arrays=track_live_arrays, init="fresh")
+                  init_kwargs=init_kwargs, unit_policy=unit_policy, has_aux=has_aux, param_loss=param_loss,
+                  logical_axis_rules=logical_axis_rules, track_live_arrays=track_live_arrays, init="fresh")
 
 
 def _build(model: Any, *, config: ZeroConfig | None, mesh: Mesh | None, optimizer: AdamSpec | None,
            loss_fn: Callable, init_args: tuple, init_kwargs: Mapping[str, Any] | None,
-           unit_policy: UnitPolicy | None, has_aux: bool, track_live_arrays: bool, init: str) -> Engine:
+           unit_policy: UnitPolicy | None, has_aux: bool, track_live_arrays: bool, init: str,
+           param_loss: ParamLoss | None = None, logical_axis_rules: Any = None) -> Engine:
     config = config or ZeroConfig()
     mesh = mesh or make_mesh()
-    policy = unit_policy or UnitPolicy()
     optimizer = optimizer or _opt_from_config(config)
-    if isinstance(model, nn.Module):
-        adapter = LinenAdapter(model, tuple(init_args), dict(init_kwargs or {}), policy,
-                               config.persistence_threshold, config.seed)
-    elif callable(model):
-        adapter = NnxAdapter(model, policy, config.persistence_threshold)
-    else:
-        raise TypeError(f"model must be an NNX constructor (a callable) or a Linen module, got {type(model).__name__}")
+    adapter = make_adapter(model, policy=unit_policy, threshold=config.persistence_threshold, seed=config.seed,
+                           init_args=init_args, init_kwargs=init_kwargs, logical_axis_rules=logical_axis_rules)
     return Engine(adapter=adapter, config=config, mesh=mesh, optimizer=optimizer, loss_fn=loss_fn,
-                  has_aux=has_aux, init=init, track_live_arrays=track_live_arrays)
+                  has_aux=has_aux, init=init, track_live_arrays=track_live_arrays, param_loss=param_loss)
 
 
 def restore(
@@ -321,7 +334,8 @@ def restore(
 
     step_dir = latest_step_dir(directory)
     kw = {"config": None, "mesh": None, "optimizer": None, "init_args": (), "init_kwargs": None,
-          "unit_policy": None, "has_aux": False, "track_live_arrays": False, **kwargs}
+          "unit_policy": None, "has_aux": False, "track_live_arrays": False, "param_loss": None,
+          "logical_axis_rules": None, **kwargs}
     engine = _build(model, init="none", **kw)
     try:
         restore_into(engine, step_dir)

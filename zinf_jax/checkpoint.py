@@ -126,7 +126,7 @@ def _global_state(engine: Any, path: str, which: str) -> jax.Array:
 
 
 def _rng_tree(engine: Any) -> dict[str, Any]:
-    leaves = jax.tree.leaves((engine.streamed.unit_rests, engine.streamed.glue_rest))
+    leaves = jax.tree.leaves(engine.streamed.state)
     return {f"leaf_{i:04d}": jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
             for i, x in enumerate(leaves)}
 
@@ -225,7 +225,7 @@ def restore_into(engine: Any, step_dir: str | os.PathLike) -> dict[str, Any]:
                 engine.store.put_local(path, i, parts["master"][i]).result()
         del flat
     if (step_dir / "rng").exists():
-        cur = (engine.streamed.unit_rests, engine.streamed.glue_rest)
+        cur = engine.streamed.state
         leaves, tree = jax.tree.flatten(cur)
         rep = NamedSharding(engine.mesh, P())
         target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rep) for k, v in _rng_tree(engine).items()}
@@ -237,7 +237,7 @@ def restore_into(engine: Any, step_dir: str | os.PathLike) -> dict[str, Any]:
             if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
                 v = jax.random.wrap_key_data(jnp.asarray(v), impl=jax.random.key_impl(x))
             new.append(jax.device_put(v, x.sharding))
-        engine.streamed.unit_rests, engine.streamed.glue_rest = jax.tree.unflatten(tree, new)
+        engine.streamed.state = jax.tree.unflatten(tree, new)
     engine.user_state = dict(meta.get("user_state", {}))
     step_meta = {"step": meta["step"]}
     engine.opt_tier.commit({**step_meta, OPTIMIZER_STATE_KEY: meta["optimizer"]})

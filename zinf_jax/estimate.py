@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from zinf_jax.config import ZeroConfig
-from zinf_jax.engine.adapters import LinenAdapter, NnxAdapter, _get
+from zinf_jax.engine.wrap import make_adapter
 from zinf_jax.optim.driver import sub_groups
 from zinf_jax.sharding import local_shard_devices, make_mesh, plan_partition
 from zinf_jax.tiers.nvme_layout import chunk_shape
@@ -269,33 +269,26 @@ def _padded(shape: Sequence[int], itemsize: int) -> int:
 
 
 def _trace_calls(adapter: Any, dtype_of: Callable[[str], str], layouts: Mapping[str, Any], loss_fn: Callable,
-                 example: Any) -> tuple[list[tuple[int, int]], int, int]:
-    """Unit calls of one abstract loss evaluation: ``[(uid, checkpoint bytes)]``, unit-state bytes, largest output."""
-    calls, info = [], {"rests": [], "out": 0, "rest_bytes": 0}
-    zeros = lambda paths: [jnp.zeros(layouts[p].shape, dtype_of(p)) for p in paths]  # noqa: E731
+                 example: Any) -> tuple[list[tuple[int, int, int]], int, int]:
+    """Unit calls of one abstract loss evaluation: ``[(uid, sharded checkpoint bytes, replicated bytes)]``,
+    model-state bytes, largest output."""
+    calls, info = [], {"out": 0}
 
-    def record(uid: int, method: str, args: tuple, kwargs: dict) -> Any:
-        calls.append((uid, _nbytes(args)))
-        rest = info["rests"][uid] if info["rests"] else None
-        out, _ = adapter.unit_fn(uid, method, kwargs)(zeros(adapter.units[uid].param_paths), rest, args)
+    def record(uid: int, method: str, inputs: Any) -> Any:
+        rep = _nbytes(adapter.call_state(inputs))  # model state in the checkpoint: on every device
+        calls.append((uid, _nbytes(inputs) - rep, rep))
+        full = [jnp.zeros(layouts[p].shape, dtype_of(p)) for p in adapter.units[uid].param_paths]
+        out = adapter.unit_fn(uid, method)(full, inputs)
         info["out"] = max(info["out"], _nbytes(out))
         return out
 
-    def run(batch: Any) -> Any:
-        if isinstance(adapter, NnxAdapter):  # what NnxAdapter.init_state builds, abstractly
-            model = adapter.constructor()
-            info["rests"] = [nnx.split(_get(model, up), nnx.Param, ...)[2] for up in adapter._unit_paths]
-            info["rest_bytes"] = _nbytes(info["rests"])  # (adapter internals: no public abstract init_state)
-            adapter._wrap(model)
-            _, gparams, grest = nnx.split(model, nnx.Param, ...)
-            glue = [x.astype(dtype_of(p)) for p, x in zip(adapter.glue_paths, jax.tree.leaves(gparams))]
-        else:
-            glue, grest = zeros(adapter.glue_paths), None
-        return adapter.run(loss_fn, glue, grest, batch)[0]
+    def run(batch: Any, state: Any) -> Any:
+        glue = [jnp.zeros(layouts[p].shape, dtype_of(p)) for p in adapter.glue_paths]
+        return adapter.run(loss_fn, glue, state, batch, record)[0]
 
-    adapter.dispatch.call = record  # the adapter is ours alone
-    jax.eval_shape(run, example)
-    return calls, info["rest_bytes"], info["out"]
+    state = adapter.abstract_state()
+    jax.eval_shape(run, example, state)
+    return calls, _nbytes(state), info["out"]
 
 
 def estimate_from_model(
@@ -325,8 +318,8 @@ def estimate_from_model(
     """
     config, mesh, policy = config or ZeroConfig(), mesh or make_mesh(), unit_policy or UnitPolicy()
     linen = isinstance(model, nn.Module)
-    adapter = (LinenAdapter(model, tuple(init_args), dict(init_kwargs or {}), policy, config.persistence_threshold,
-                            config.seed) if linen else NnxAdapter(model, policy, config.persistence_threshold))
+    adapter = make_adapter(model, policy=policy, threshold=config.persistence_threshold, seed=config.seed,
+                           init_args=init_args, init_kwargs=init_kwargs)
     if example_batch is None:
         if batch is None or (seq is None and not linen):
             raise ValueError("estimate_from_model needs example_batch, or batch (and seq for NNX models)")
@@ -334,7 +327,7 @@ def estimate_from_model(
                          if linen else jax.ShapeDtypeStruct((batch, seq), jnp.int32))
     loss_fn = loss_fn or ((lambda m, b: m(*b)) if linen else (lambda m, b: m(b)))
     example = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), example_batch)  # global
-    layouts = plan_partition(adapter.abstract_params, mesh, config.persistence_threshold)
+    layouts = plan_partition(adapter.abstract_params, mesh, config.persistence_threshold, adapter.layout_hints)
     cd = config.resolved_compute_dtype(platform := mesh.devices.flat[0].platform)
     dtype_of = {p: cd if jnp.issubdtype(jnp.dtype(lay.dtype), jnp.floating) else lay.dtype
                 for p, lay in layouts.items()}.__getitem__
@@ -353,7 +346,7 @@ def estimate_from_model(
         n_local=n_local, n_idx=n_idx, n_processes=P, compute_dtype=cd, params=sum(x.size for x in layouts.values()),
         unit_held=unit(lambda p: layouts[p].bytes_per_device(dtype_of(p)) * n_local),
         unit_gathered=unit(lambda p: layouts[p].size * item[p] * n_local), unit_grad=unit(lambda p: 4 * local[p]),
-        calls=tuple((u, b // P) for u, b in calls), rests=rests * n_local,
+        calls=tuple((u, b // P + r * n_local) for u, b, r in calls), rests=rests * n_local,
         glue=sum(layouts[p].bytes_per_device(dtype_of(p)) * n_local for p in adapter.glue_paths),
         store=sum(item[p] * local[p] for p in layouts),
         store_sharded=sum(item[p] * local[p] for p, lay in layouts.items() if lay.dim is not None),

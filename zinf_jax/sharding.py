@@ -143,7 +143,7 @@ class ParamLayout:
 
 
 def plan_partition(
-    params: Mapping[str, Any], mesh: Mesh, persistence_threshold: int
+    params: Mapping[str, Any], mesh: Mesh, persistence_threshold: int, hints: Mapping[str, int] | None = None
 ) -> dict[str, ParamLayout]:
     """Decides the layout of every parameter.
 
@@ -153,6 +153,8 @@ def plan_partition(
       mesh: the mesh; its ``fsdp`` axis size is the shard count.
       persistence_threshold: parameters with at most this many elements stay
         whole on every device.
+      hints: path to the dimension to shard first (from the model's own
+        partitioning annotations); used when it divides by the shard count.
 
     Returns:
       Path to :class:`ParamLayout`, in the input's order.
@@ -167,6 +169,9 @@ def plan_partition(
             kind, dim = "persistent", None
         else:
             dims = sorted(range(len(shape)), key=lambda d: (-shape[d], d))
+            hint = (hints or {}).get(path)
+            if hint is not None and 0 <= hint < len(shape):
+                dims.insert(0, dims.pop(dims.index(hint)))
             dim = next((d for d in dims if shape[d] % n == 0), None)
             kind = "sharded" if dim is not None else "flat"
             dim = 0 if dim is None else dim

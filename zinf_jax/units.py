@@ -92,6 +92,7 @@ def select_units(
     threshold: int,
     *,
     is_embedding: Any = lambda m: False,
+    exclude: set[tuple[Any, ...]] = frozenset(),
 ) -> list[tuple[Any, ...]]:
     """Chooses unit paths, outermost first, never one inside another.
 
@@ -101,6 +102,7 @@ def select_units(
       policy: the user's policy.
       threshold: persistence threshold in elements.
       is_embedding: predicate for embedding modules.
+      exclude: module paths that must not be units (found unable to run alone).
 
     Returns:
       Unit module paths in depth-first order.
@@ -123,7 +125,7 @@ def select_units(
     chosen: list[tuple[Any, ...]] = []
     ordered = sorted(modules, key=lambda p: (len(p), [str(x) for x in p]))
     for path in ordered:  # user rules, repeated blocks, embeddings: outermost first
-        if not path or inside(path) or size_under(path) == 0:
+        if not path or inside(path) or size_under(path) == 0 or path in exclude:
             continue
         m = modules[path]
         pick = policy.matches(path, m) or (
@@ -133,7 +135,7 @@ def select_units(
             chosen.append(path)
     if policy.default:  # then large top-level children that hold no unit (the head)
         for path in ordered:
-            if len(path) == 1 and not inside(path) and not any(c[:1] == path for c in chosen):
+            if len(path) == 1 and path not in exclude and not inside(path) and not any(c[:1] == path for c in chosen):
                 if size_under(path) > threshold:
                     chosen.append(path)
     covered = [p for p in param_sizes if any(p[: len(c)] == c for c in chosen)]

@@ -1,8 +1,10 @@
 """Compiled unit programs: gather, run, and (backward) recompute + vjp.
 
 One forward and one backward program per distinct unit signature (framework
-key of the unit, method, static keyword arguments, parameter layouts): 48
-identical blocks share one jitted function and therefore one compilation.
+key of the unit, method, structure and static leaves of the call's inputs,
+parameter layouts): 48 identical blocks share one jitted function and
+therefore one compilation. Inputs and outputs are pytrees; integer leaves
+(RNG counters, token ids) are carried through but not differentiated.
 
 Inside a program the stored, sharded parameters are all-gathered with a
 sharding constraint to replicated, padding is removed, and the unit runs. The
@@ -17,14 +19,18 @@ from typing import Any, Callable, Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zinf_jax.sharding import ParamLayout, from_stored
 
-__all__ = ["UnitPrograms", "UnitFn", "split_diff"]
+__all__ = ["UnitPrograms", "UnitFn", "Penalty", "split_diff"]
 
-UnitFn = Callable[[list[jax.Array], Any, Any], tuple[Any, Any]]
-"""``(full_params, rest, args) -> (out, new_rest)``: a unit as a pure function."""
+UnitFn = Callable[[list[jax.Array], list[Any]], Any]
+"""``(full_params, dyn_inputs) -> outputs``: a unit call as a pure function of its array inputs."""
+
+Penalty = Callable[[list[jax.Array]], jax.Array]
+"""``(float32 params of a unit) -> scalar``: a parameter-dependent loss term of one unit."""
 
 
 def split_diff(leaves: Sequence[Any]) -> list[int]:
@@ -58,40 +64,60 @@ class UnitPrograms:
             out.append(from_stored(lay, jax.lax.with_sharding_constraint(p, rep)))
         return out
 
-    def forward(self, key: Hashable, layouts: Sequence[ParamLayout], fn: UnitFn) -> Callable:
-        """``(stored, rest, args) -> (out, new_rest)``, jitted once per key."""
+    def _full32(self, layouts: Sequence[ParamLayout], stored: Sequence[jax.Array]) -> list[jax.Array]:
+        rep = NamedSharding(self.mesh, P())
+        return [from_stored(lay, jax.lax.with_sharding_constraint(p.astype(jnp.float32), rep))
+                if jnp.issubdtype(p.dtype, jnp.floating) else p for lay, p in zip(layouts, stored)]
+
+    def forward(self, key: Hashable, layouts: Sequence[ParamLayout], fn: UnitFn,
+                penalty: Penalty | None = None) -> Callable:
+        """``(stored, dyn) -> out`` (``(out, penalty)`` with a penalty), jitted once per key."""
+        key = (key, penalty is not None)
         prog = self._fwd.get(key)
         if prog is None:
             layouts = tuple(layouts)
 
-            def run(stored, rest, args):
-                return fn(self._gather(layouts, stored), rest, args)
+            def run(stored, dyn):
+                out = fn(self._gather(layouts, stored), dyn)
+                return out if penalty is None else (out, penalty(self._full32(layouts, stored)))
 
             prog = self._fwd[key] = jax.jit(run)
         return prog
 
-    def backward(self, key: Hashable, layouts: Sequence[ParamLayout], fn: UnitFn) -> Callable:
-        """``(stored, rest, args, g) -> (param_grads_f32, diff_arg_grads)``, jitted once per key."""
+    def backward(self, key: Hashable, layouts: Sequence[ParamLayout], fn: UnitFn,
+                 penalty: Penalty | None = None) -> Callable:
+        """``(stored, dyn, g, scale) -> (param_grads_f32, diff_input_grads)``, jitted once per key.
+
+        ``g`` holds the cotangents of the inexact output leaves only (the others
+        are integer state such as RNG counters); ``scale`` multiplies the
+        penalty's gradient (the loss scale the backward pass was seeded with).
+        """
+        key = (key, penalty is not None)
         prog = self._bwd.get(key)
         if prog is None:
             layouts = tuple(layouts)
             shardings = [NamedSharding(self.mesh, lay.spec) for lay in layouts]
 
-            def run(stored, rest, args, g):
-                leaves, tree = jax.tree.flatten(args)
-                diff = split_diff(leaves)
+            def run(stored, dyn, g, scale):
+                diff = split_diff(dyn)
                 floating = [jnp.issubdtype(p.dtype, jnp.floating) for p in stored]
                 p32 = [p.astype(jnp.float32) if f else p for p, f in zip(stored, floating)]
 
                 def f(ps, dleaves):
-                    ls = list(leaves)
+                    ls = list(dyn)
                     for i, d in zip(diff, dleaves):
                         ls[i] = d
-                    out, _ = fn(self._gather(layouts, ps), rest, jax.tree.unflatten(tree, ls))
-                    return out
+                    return fn(self._gather(layouts, ps), ls)
 
-                _, vjp = jax.vjp(f, p32, [leaves[i] for i in diff])
-                gp, gd = vjp(g)
+                out, vjp = jax.vjp(f, p32, [dyn[i] for i in diff])
+                outs, tree = jax.tree.flatten(out)
+                it = iter(g)
+                cts = [next(it) if jnp.issubdtype(o.dtype, jnp.inexact) else np.zeros(o.shape, jax.dtypes.float0)
+                       for o in outs]
+                gp, gd = vjp(jax.tree.unflatten(tree, cts))
+                if penalty is not None:
+                    gpen = jax.grad(lambda ps: penalty(self._full32(layouts, ps)))(p32)
+                    gp = [a + b * scale if fl else a for a, b, fl in zip(gp, gpen, floating)]
                 gp = [
                     jax.lax.with_sharding_constraint(x.astype(jnp.float32), s) if fl else None
                     for x, s, fl in zip(gp, shardings, floating)

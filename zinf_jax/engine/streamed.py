@@ -13,9 +13,19 @@ reverse call order on concrete arrays, so the rules may do I/O:
 
 Glue code between units (residual adds, small persistent layers, the loss) runs
 eagerly as the user wrote it; its gradients come from the same ``jax.vjp``.
+
+A unit call arrives as ``hook(uid, method, inputs)`` from the adapter's wrapped
+model (the hook is passed to :meth:`Adapter.run` for one pass, never installed
+on the adapter for longer). Array leaves of ``inputs`` are the program's inputs
+and are differentiated where inexact; everything else is static. The model's
+non-parameter state travels through the inputs and outputs, so the backward
+recompute sees exactly the forward's RNG state.
 """
 from __future__ import annotations
 
+import dataclasses
+import enum
+import functools
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -24,17 +34,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from zinf_jax.engine.adapters import EngineError
 from zinf_jax.engine.grads import GradSink
 from zinf_jax.engine.prefetch import Prefetcher
-from zinf_jax.engine.programs import UnitPrograms, split_diff
+from zinf_jax.engine.programs import Penalty, UnitPrograms, split_diff
 from zinf_jax.engine.store import ParamStore
 from zinf_jax.units import Plan
 
-__all__ = ["StreamedModel", "EngineError"]
+__all__ = ["StreamedModel", "EngineError", "Phase", "ParamLoss"]
 
-
-class EngineError(RuntimeError):
-    """The streamed engine was used in a way it cannot support."""
+ParamLoss = Callable[[str, jax.Array], Any]
+"""``param_loss(path, value) -> scalar``: a loss term of one parameter (e.g. L2 on kernels), 0 for none."""
 
 
 _JIT_MSG = (
@@ -42,6 +52,27 @@ _JIT_MSG = (
     "jax.jit, vmap, grad or scan. Call engine.train_step / engine.eval_step eagerly (the units "
     "are compiled inside), and keep loss_fn free of an outer jax.jit."
 )
+
+
+class Phase(enum.Enum):
+    """What a pass over the wrapped model is doing."""
+
+    PLAN = "plan"    # one abstract trace that records the unit call order
+    TRAIN = "train"  # forward with activation checkpoints, then backward
+    EVAL = "eval"    # forward only
+
+
+@dataclasses.dataclass
+class _Pass:
+    """State of one pass: saved activation checkpoints, penalties, the plan being recorded."""
+
+    phase: Phase
+    train: bool  # unit programs in training mode (dropout on, state updated)
+    loss_scale: float = 1.0
+    saved: list[tuple[Any, ...]] = dataclasses.field(default_factory=list)
+    penalized: set[int] = dataclasses.field(default_factory=set)
+    penalty: Any = 0.0
+    calls: list[tuple[int, str]] = dataclasses.field(default_factory=list)
 
 
 def _one_program_at_a_time(mesh: Any) -> bool:
@@ -67,17 +98,44 @@ def _nbytes_on_devices(tree: Any) -> int:
     return total
 
 
-def _split_static(args: tuple) -> tuple[list[Any], tuple[Any, tuple[tuple[int, Any], ...]]]:
-    """Array leaves of a unit's positional arguments, and the rest as a static (hashable) part.
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.core.Tracer))
 
-    Python ``bool``/``int``/``str`` arguments (``block(x, True)``, a Linen
-    ``train`` flag) select program variants like keyword arguments do; tracing
-    them would break Python control flow inside the unit.
+
+def _split_inputs(where: str, inputs: Any) -> tuple[list[Any], tuple[Any, tuple[tuple[int, Any], ...]]]:
+    """Array leaves of a unit call's inputs, and the rest as a static (hashable) signature.
+
+    Arrays (and pytrees of arrays: masks, positions, caches, RNG state) are
+    program inputs; Python values (``train=True``, ``num_heads``, strings) are
+    static and select program variants, as they would under ``jax.jit``.
     """
-    leaves, treedef = jax.tree.flatten(args)
-    fixed = tuple((i, v) for i, v in enumerate(leaves) if isinstance(v, (bool, int, str)))
-    dyn = [v for v in leaves if not isinstance(v, (bool, int, str))]
-    return dyn, (treedef, fixed)
+    leaves, treedef = jax.tree.flatten(inputs)
+    fixed = tuple((i, v) for i, v in enumerate(leaves) if not _is_array(v))
+    try:
+        hash((treedef, fixed))
+    except TypeError:
+        bad = next(v for _, v in fixed if not _hashable(v))
+        raise EngineError(
+            f"unit call {where}: an argument of type {type(bad).__name__} is neither an array nor hashable; "
+            "pass arrays (or pytrees of arrays) and hashable Python values (bool, int, float, str, tuples)"
+        ) from None
+    return [v for v in leaves if _is_array(v)], (treedef, fixed)
+
+
+def _hashable(v: Any) -> bool:
+    try:
+        hash(v)
+    except TypeError:
+        return False
+    return True
+
+
+def _join_inputs(sig: tuple[Any, tuple[tuple[int, Any], ...]], dyn: Sequence[Any]) -> Any:
+    treedef, fixed = sig
+    leaves = list(dyn)
+    for pos, value in fixed:
+        leaves.insert(pos, value)
+    return jax.tree.unflatten(treedef, leaves)
 
 
 class StreamedModel:
@@ -91,6 +149,8 @@ class StreamedModel:
       offload_activations: keep unit-boundary checkpoints in pinned host memory.
       track_live_arrays: also record ``jax.live_arrays()`` bytes at every unit
         call (slow; for tests and benchmarks).
+      param_loss: a per-parameter loss term added to the training loss, applied
+        unit by unit where each unit's parameters are gathered anyway.
     """
 
     def __init__(
@@ -102,6 +162,7 @@ class StreamedModel:
         max_live_bytes: int | None = None,
         offload_activations: bool = False,
         track_live_arrays: bool = False,
+        param_loss: ParamLoss | None = None,
     ):
         self.adapter = adapter
         self.store = store
@@ -123,28 +184,41 @@ class StreamedModel:
         )
         self.offload_activations = offload_activations
         self.track_live_arrays = track_live_arrays
-        self.unit_rests, self.glue_rest = adapter.init_state(NamedSharding(self.mesh, P()))
-        adapter.dispatch.call = self.call_unit
+        self.param_loss = param_loss
+        self._penalties: list[Penalty | None] = [self._unit_penalty(u) for u in self.units]
+        self.state = adapter.init_state(NamedSharding(self.mesh, P()))
         self.plan: Plan | None = None
-        self._mode = "idle"
-        self._saved: list[tuple[int, str, Any, Any]] = []
+        self._pass: _Pass | None = None
         self._vjp_fns: dict[tuple, Callable] = {}
         self.peak_device_bytes = 0
         self.peak_live_array_bytes = 0
         self._warned = False
-        self._anchor = jnp.zeros((), jnp.float32)
-        self._train = True  # which mode the unit programs run in (False only inside forward(train=False))
         self._sync_units = _one_program_at_a_time(self.mesh)
+
+    def _unit_penalty(self, unit: Any) -> Penalty | None:
+        if self.param_loss is None:
+            return None
+        paths, fn = unit.param_paths, self.param_loss
+        return lambda ps: sum((jnp.asarray(fn(p, x), jnp.float32) for p, x in zip(paths, ps)), jnp.float32(0))
+
+    def glue_penalty(self, glue: Sequence[jax.Array]) -> Any:
+        """The parameter loss of the parameters outside every unit (0 without ``param_loss``)."""
+        if self.param_loss is None:
+            return 0.0
+        fn = self.param_loss
+        return sum((jnp.asarray(fn(p, x.astype(jnp.float32)), jnp.float32)
+                    for p, x in zip(self.adapter.glue_paths, glue)), jnp.float32(0))
 
     # --- public passes --------------------------------------------------------
     def make_plan(self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array]) -> Plan:
         """Finds the unit call order with one abstract trace of the loss."""
-        self._mode, self._plan_calls = "plan", []
+        p = self._pass = _Pass(Phase.PLAN, train=True)
         try:
-            jax.eval_shape(lambda g: self.adapter.run(loss_fn, g, self.glue_rest, batch)[0], list(glue))
+            hook = functools.partial(self._call_unit, p, None)
+            jax.eval_shape(lambda g: self.adapter.run(loss_fn, g, self.state, batch, hook, True)[0], list(glue))
         finally:
-            self._mode = "idle"
-        self.plan = Plan(calls=tuple(self._plan_calls), units=tuple(self.units))
+            self._pass = None
+        self.plan = Plan(calls=tuple(p.calls), units=tuple(self.units))
         return self.plan
 
     def forward_backward(
@@ -153,20 +227,25 @@ class StreamedModel:
         """Loss, aux and glue-parameter gradients; unit gradients go to :attr:`sink`.
 
         The backward pass is seeded with ``loss_scale`` (float16 loss scaling).
+        The model's non-parameter state (RNG counters, batch statistics) advances.
         """
-        self._begin(loss_fn, batch, glue, backward=True)
+        p = self._begin(loss_fn, batch, glue, _Pass(Phase.TRAIN, train=True, loss_scale=loss_scale))
         try:
             def f(g, anchor):
-                self._anchor = anchor
-                out, new_rest = self.adapter.run(loss_fn, g, self.glue_rest, batch)
+                hook = functools.partial(self._call_unit, p, anchor)
+                out, new_state, batch_state = self.adapter.run(loss_fn, g, self.state, batch, hook, True)
                 loss, aux = out if has_aux else (out, None)
-                return loss, (aux, new_rest)
+                if self.param_loss is not None:
+                    loss = loss + self.glue_penalty(g) + p.penalty
+                return loss, (aux, new_state, batch_state)
 
-            loss, vjp, (aux, new_rest) = jax.vjp(f, list(glue), jnp.zeros((), jnp.float32), has_aux=True)
+            loss, vjp, (aux, new_state, batch_state) = jax.vjp(
+                f, list(glue), jnp.zeros((), jnp.float32), has_aux=True)
             g_glue, _ = vjp(jnp.full_like(loss, loss_scale))
         finally:
-            self._end(backward=True)
-        self.glue_rest = new_rest
+            self._end(p)
+        self.state = new_state
+        self.adapter.update_batch(batch, batch_state)
         return loss, aux, g_glue
 
     def forward(self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array], *, has_aux: bool,
@@ -178,126 +257,117 @@ class StreamedModel:
         and other non-parameter state are left as they were, so evaluating
         between training steps does not alter training.
         """
-        self._begin(loss_fn, batch, glue, backward=False)
-        self._train = train
+        p = self._begin(loss_fn, batch, glue, _Pass(Phase.EVAL, train=train))
         try:
-            out, new_rest = self.adapter.run(loss_fn, list(glue), self.glue_rest, batch, train)
+            hook = functools.partial(self._call_unit, p, None)
+            out, new_state, batch_state = self.adapter.run(loss_fn, list(glue), self.state, batch, hook, train)
         finally:
-            self._end(backward=False)
+            self._end(p)
         if train:
-            self.glue_rest = new_rest
+            self.state = new_state
+            self.adapter.update_batch(batch, batch_state)
         return out if has_aux else (out, None)
 
-    def _begin(self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array], backward: bool) -> None:
+    def _begin(self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array], p: _Pass) -> _Pass:
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((batch, list(glue)))):
             raise EngineError(_JIT_MSG)
         if self.plan is None:
             self.make_plan(loss_fn, batch, glue)
         self.sink.clear()
-        self._saved.clear()
-        self.prefetcher.start(self.plan.schedule(backward))
-        self._mode = "train" if backward else "eval"
-        self._train = True
+        self.prefetcher.start(self.plan.schedule(p.phase is Phase.TRAIN))
+        self._pass = p
+        return p
 
-    def _end(self, backward: bool) -> None:
-        self._mode = "idle"
-        self._train = True
-        self._anchor = jnp.zeros((), jnp.float32)
+    def _end(self, p: _Pass) -> None:
+        self._pass = None
+        p.saved.clear()
         self.prefetcher.finish()
-        self._saved.clear()
         if self.prefetcher.deviated:
             seen = self.prefetcher.seen
-            fwd = tuple(seen[: len(seen) // 2] if backward else seen)
+            fwd = tuple(seen[: len(seen) // 2] if p.phase is Phase.TRAIN else seen)
             if not self._warned:
                 warnings.warn("zinf_jax: unit call order differed from the plan; re-planning from the order seen")
                 self._warned = True
             self.plan = Plan(calls=fwd, units=tuple(self.units))
 
     # --- the hook -------------------------------------------------------------
-    def call_unit(self, uid: int, method: str, args: tuple, kwargs: dict) -> Any:
-        """Entry point of every wrapped unit call."""
-        args, static = _split_static(args)
-        try:
-            kwkey = (tuple(sorted(kwargs.items())), static)
-            hash(kwkey)
-        except TypeError:
-            raise EngineError(f"unit {self.units[uid].path}.{method}: keyword arguments must be hashable (static)") from None
-        if self._mode == "plan":
-            self._plan_calls.append((uid, method))
-            full = [jax.ShapeDtypeStruct(l.shape, self.store.dtype_of(l.path)) for l in self._layouts[uid]]
-            sds = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), args)
-            fn = self._unit_fn(uid, method, kwargs, kwkey)
-            out = jax.eval_shape(lambda f, r, a: fn(f, r, a)[0], full, self.unit_rests[uid], sds)
-            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out)
-        if self._mode == "idle":
+    def _call_unit(self, p: _Pass, anchor: Any, uid: int, method: str, inputs: Any) -> Any:
+        """Every wrapped unit call of a pass arrives here (the adapter's hook)."""
+        if self._pass is not p:
             raise EngineError("a unit of the wrapped model was called outside engine.train_step/eval_step")
-        fn = self._vjp_fns.get((uid, method, kwkey))
+        dyn, sig = _split_inputs(f"{self.units[uid].path}.{method}", inputs)
+        if p.phase is Phase.PLAN:
+            p.calls.append((uid, method))
+            full = [jax.ShapeDtypeStruct(l.shape, self.store.dtype_of(l.path)) for l in self._layouts[uid]]
+            sds = [jax.ShapeDtypeStruct(jnp.shape(x), jax.typeof(x).dtype) for x in dyn]
+            out = jax.eval_shape(self._unit_fn(uid, method, sig, True), full, sds)
+            return jax.tree.map(_zeros_like, out)
+        if anchor is None:  # forward only: no backward rule needed
+            return self._forward(p, uid, method, sig, dyn)
+        fn = self._vjp_fns.get((uid, method, sig, p.train))
         if fn is None:
-            fn = self._vjp_fns[(uid, method, kwkey)] = self._make_vjp(uid, method, kwargs, kwkey)
-        return fn(args, self._anchor)
+            fn = self._vjp_fns[(uid, method, sig, p.train)] = self._make_vjp(p.train, uid, method, sig)
+        return fn(dyn, anchor)
 
-    def _make_vjp(self, uid: int, method: str, kwargs: dict, kwkey: tuple) -> Callable:
+    def _make_vjp(self, train: bool, uid: int, method: str, sig: tuple) -> Callable:
         # ``anchor`` is a float scalar tied to the outer vjp: without it a unit whose
         # inputs are all integers (an embedding lookup) would get no backward call.
         @jax.custom_vjp
-        def unit(args, anchor):
-            return self._forward(uid, method, kwargs, kwkey, args, save=False)
+        def unit(dyn, anchor):
+            return self._forward(self._pass, uid, method, sig, dyn)
 
-        def unit_fwd(args, anchor):
-            return self._forward(uid, method, kwargs, kwkey, args, save=True), None
+        def unit_fwd(dyn, anchor):
+            return self._forward(self._pass, uid, method, sig, dyn, save=True), None
 
         def unit_bwd(_, g):
-            return self._backward(uid, method, kwargs, kwkey, g), np.zeros((), np.float32)
+            return self._backward(self._pass, uid, method, sig, g), np.zeros((), np.float32)
 
         unit.defvjp(unit_fwd, unit_bwd)
         return unit
 
-    def _unit_fn(self, uid: int, method: str, kwargs: dict, kwkey: tuple) -> Callable:
-        """The adapter's unit function in the current mode, with the static positional arguments put back."""
-        fn = self.adapter.unit_fn(uid, method, kwargs, self._train)
-        treedef, fixed = kwkey[1]
+    def _unit_fn(self, uid: int, method: str, sig: tuple, train: bool) -> Callable:
+        """The adapter's unit function of the array inputs, with the static leaves put back."""
+        fn = self.adapter.unit_fn(uid, method, train)
+        return lambda full, dyn: fn(full, _join_inputs(sig, dyn))
 
-        def with_static(full, rest, dyn):
-            leaves = list(dyn)
-            for pos, value in fixed:
-                leaves.insert(pos, value)
-            return fn(full, rest, jax.tree.unflatten(treedef, leaves))
+    def _key(self, uid: int, method: str, sig: tuple, train: bool) -> tuple:
+        lays = tuple((l.kind, l.shape, l.dtype, l.dim, l.num_shards) for l in self._layouts[uid])
+        return (self.adapter.program_key(uid, method, train), sig, lays)
 
-        return with_static
-
-    def _key(self, uid: int, method: str, kwkey: tuple) -> tuple:
-        sig = tuple((l.kind, l.shape, l.dtype, l.dim, l.num_shards) for l in self._layouts[uid])
-        return (self.adapter.program_key(uid, method, kwkey, self._train), sig)
-
-    def _forward(self, uid: int, method: str, kwargs: dict, kwkey: tuple, args: Any, save: bool) -> Any:
-        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
+    def _forward(self, p: _Pass, uid: int, method: str, sig: tuple, dyn: list, save: bool = False) -> Any:
+        if any(isinstance(x, jax.core.Tracer) for x in dyn):
             raise EngineError(_JIT_MSG)
+        penalty = None
+        if save and self._penalties[uid] is not None and uid not in p.penalized:
+            p.penalized.add(uid)  # counted once per step, in the unit's first call (its last backward)
+            penalty = self._penalties[uid]
         stored = self.prefetcher.take((uid, method))
-        fn = self._unit_fn(uid, method, kwargs, kwkey)
-        prog = self.programs.forward(self._key(uid, method, kwkey), self._layouts[uid], fn)
-        rest = self.unit_rests[uid]
+        fn = self._unit_fn(uid, method, sig, p.train)
+        prog = self.programs.forward(self._key(uid, method, sig, p.train), self._layouts[uid], fn, penalty)
         self._account(uid)
-        out, new_rest = prog(stored, rest, args)
-        if self._train:  # an evaluation pass leaves RNG counters and other state alone
-            self.unit_rests[uid] = new_rest
+        out = prog(stored, dyn)
+        if penalty is not None:
+            out, value = out
+            p.penalty = p.penalty + value
         if self._sync_units:
             jax.block_until_ready(out)
         if save:
-            self._saved.append((uid, method, self._park(args), rest))
+            p.saved.append((uid, method, self._park(dyn), penalty))
         del stored
         self.prefetcher.release()
         return out
 
-    def _backward(self, uid: int, method: str, kwargs: dict, kwkey: tuple, g: Any) -> Any:
-        suid, smethod, parked, rest = self._saved.pop()
+    def _backward(self, p: _Pass, uid: int, method: str, sig: tuple, g: Any) -> Any:
+        suid, smethod, parked, penalty = p.saved.pop()
         if (suid, smethod) != (uid, method):
             raise EngineError(f"backward order mismatch: expected {self.units[suid].path}.{smethod}, got {self.units[uid].path}.{method}")
-        args = self._unpark(parked)
+        dyn = self._unpark(parked)
         stored = self.prefetcher.take((uid, method))
-        fn = self._unit_fn(uid, method, kwargs, kwkey)
-        prog = self.programs.backward(self._key(uid, method, kwkey), self._layouts[uid], fn)
+        fn = self._unit_fn(uid, method, sig, p.train)
+        prog = self.programs.backward(self._key(uid, method, sig, p.train), self._layouts[uid], fn, penalty)
         self._account(uid)
-        gp, gd = prog(stored, rest, args, g)
+        g = [x for x in jax.tree.leaves(g) if x.dtype != jax.dtypes.float0]
+        gp, gd = prog(stored, dyn, g, np.float32(p.loss_scale))
         if self._sync_units:
             jax.block_until_ready((gp, gd))
         del stored
@@ -305,11 +375,10 @@ class StreamedModel:
         for path, gpath in zip(self.units[uid].param_paths, gp):
             if gpath is not None:
                 self.sink.add(path, gpath)
-        leaves, tree = jax.tree.flatten(args)
-        out = [np.zeros(np.shape(x), jax.dtypes.float0) for x in leaves]
-        for i, d in zip(split_diff(leaves), gd):
+        out = [np.zeros(np.shape(x), jax.dtypes.float0) for x in dyn]
+        for i, d in zip(split_diff(dyn), gd):
             out[i] = d
-        return jax.tree.unflatten(tree, out)
+        return out
 
     # --- activation checkpoints and accounting -------------------------------
     def _park(self, args: Any) -> Any:
@@ -334,12 +403,9 @@ class StreamedModel:
         )
 
     def held_device_bytes(self) -> int:
-        """Bytes the engine holds on device now: params in flight + checkpoints + unit state."""
-        return (
-            self.prefetcher.held_bytes()
-            + _nbytes_on_devices([s[2] for s in self._saved])
-            + _nbytes_on_devices(self.unit_rests)
-        )
+        """Bytes the engine holds on device now: params in flight + checkpoints + model state."""
+        saved = self._pass.saved if self._pass is not None else []
+        return self.prefetcher.held_bytes() + _nbytes_on_devices([s[2] for s in saved]) + _nbytes_on_devices(self.state)
 
     def _account(self, uid: int) -> None:
         now = self.held_device_bytes() + self._gathered[uid]
@@ -353,3 +419,7 @@ class StreamedModel:
         """Starts a new peak measurement."""
         self.peak_device_bytes = 0
         self.peak_live_array_bytes = 0
+
+
+def _zeros_like(s: Any) -> Any:
+    return jnp.zeros(s.shape, s.dtype)

@@ -1,0 +1,323 @@
+"""The Flax NNX adapter: units of an NNX model, their programs, the wrapped model.
+
+The wrapped model is a copy of the abstract model in which every unit is
+replaced by a :class:`UnitProxy`. A proxy holds no parameters, but it holds the
+unit's non-parameter :class:`~flax.nnx.Variable` objects (RNG keys and counts,
+batch statistics) — the *same* objects as the unit, so a variable shared by two
+units or by a unit and the glue (one ``nnx.Rngs`` held by the model and its
+blocks) is one variable of the wrapped model, updated in call order exactly as
+in the unwrapped model.
+
+A unit call sends the proxy's variable values, the call's arguments and the
+state of any NNX object passed as an argument (``block(x, rngs=rngs)``) to the
+engine's hook; the unit program merges them, runs the unit method, and returns
+the output, the values the unit sowed (``nnx.Intermediate``) and the new state,
+which the proxy writes back. Sown values are attached to the proxy at the
+unit's own paths (``blocks/0/attn/scores``), so ``nnx.pop(model,
+nnx.Intermediate)`` inside the loss sees what the unwrapped model would; they
+live for one pass only. Repeated calls append, like ``sow``'s default.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Callable, Hashable, Sequence
+
+import jax
+from flax import nnx
+
+from zinf_jax.engine.adapters import EngineError, Hook, HookSlot, exact_jit_call, get_path, leaf_paths
+from zinf_jax.units import Unit, UnitPolicy, UnitPolicyError, nbytes_of, path_str, select_units
+
+__all__ = ["NnxAdapter", "UnitProxy"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _NodeRef:
+    """Marks where an NNX object passed to a unit call goes back in the arguments."""
+
+    index: int
+
+
+class _SownScope(nnx.Module):
+    """A placeholder submodule of a proxy under which sown values of nested modules are attached."""
+
+
+def _set(module: Any, path: tuple[Any, ...], value: Any) -> None:
+    parent = get_path(module, path[:-1])
+    if isinstance(path[-1], int):
+        parent[path[-1]] = value
+    else:
+        setattr(parent, path[-1], value)
+
+
+def _variables(module: Any) -> dict[tuple[Any, ...], nnx.Variable]:
+    return {p: v for p, v in nnx.iter_graph(module) if isinstance(v, nnx.Variable)}
+
+
+class _UnitCaller:
+    """The adapter's side of one unit: calls through the hook and static attribute reads."""
+
+    def __init__(self, adapter: NnxAdapter, uid: int, abstract_unit: nnx.Module):
+        self.adapter, self.uid, self.unit = adapter, uid, abstract_unit
+
+    def call(self, proxy: UnitProxy, method: str, args: tuple, kwargs: dict) -> Any:
+        nodes: list[Any] = []
+
+        def grab(x: Any) -> Any:
+            if isinstance(x, UnitProxy):
+                raise EngineError(f"unit {proxy.path}.{method}: another streamed unit ({x.path}) cannot be "
+                                  "passed as an argument; call it in the loss or in the model instead")
+            if nnx.graph.is_graph_node(x):
+                nodes.append(x)
+                return _NodeRef(len(nodes) - 1)
+            return x
+
+        args, kwargs = jax.tree.map(grab, (args, kwargs), is_leaf=nnx.graph.is_graph_node)
+        box = nnx.List(nodes) if nodes else None
+        ngdef, nstate = nnx.split(box) if box is not None else (None, None)
+        held = [v.get_value() for v in proxy.held]
+        out, sown, new_held, new_nstate = self.adapter.hook(self.uid, method, (args, kwargs, ngdef, nstate, held))
+        for v, x in zip(proxy.held, new_held):
+            v.set_value(x)
+        if box is not None:
+            nnx.update(box, new_nstate)
+        self.adapter.attach_sown(proxy, sown)
+        return out
+
+    def attr(self, proxy: UnitProxy, name: str) -> Any:
+        try:
+            value = getattr(self.unit, name)
+        except AttributeError:
+            raise AttributeError(f"unit {proxy.path!r} ({type(self.unit).__name__}) has no attribute {name!r}") from None
+        where = f"{proxy.path}.{name}"
+        if isinstance(value, nnx.Variable):
+            raise EngineError(
+                f"{where} is a {type(value).__name__} of a streamed unit: its value lives in the engine's tiers, "
+                "not in the wrapped model. Use it inside a method of the unit, add a parameter penalty with "
+                "zinf.initialize(..., param_loss=fn), or read engine.params() / engine.model_state()")
+        if isinstance(value, nnx.Module):
+            raise EngineError(
+                f"{where} is a submodule of the streamed unit {proxy.path!r}; call the unit's own methods, or make "
+                f"{proxy.path}/{name} a unit of its own (UnitPolicy(patterns=({proxy.path + '/' + name!r},)))")
+        if callable(value):
+            return lambda *a, **k: self.call(proxy, name, a, k)
+        return value  # a static attribute (num_heads, features, a dtype)
+
+
+class UnitProxy(nnx.Module):
+    """Stands in for a unit inside the wrapped NNX model.
+
+    Method calls go to the engine; static attributes read through to the unit;
+    ``held`` are the unit's non-parameter variables (shared with the model).
+    """
+
+    def __init__(self, caller: _UnitCaller, path: str, held: Sequence[nnx.Variable]):
+        self.caller = nnx.static(caller)
+        self.path = path
+        self.held = nnx.List(list(held))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.caller.call(self, "__call__", args, kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return object.__getattribute__(self, "caller").attr(self, name)
+
+
+class NnxAdapter:
+    """A Flax NNX model given by its constructor.
+
+    Args:
+      constructor: builds the model (traced abstractly; never run whole eagerly).
+      policy: which submodules are units.
+      threshold: persistence threshold in elements.
+    """
+
+    def __init__(self, constructor: Callable[[], nnx.Module], policy: UnitPolicy, threshold: int):
+        self.constructor = constructor
+        self.hook = HookSlot()
+        self._run = threading.local()  # sown attributes added during the pass in progress
+        abstract = nnx.eval_shape(constructor)
+        canon = {id(v): path_str(p) for p, v in nnx.iter_graph(abstract) if isinstance(v, nnx.Param)}
+        pstate = nnx.state(abstract, nnx.Param)
+        paths = leaf_paths(pstate)
+        leaves = jax.tree.leaves(pstate)
+        self.abstract_params = {path_str(p): jax.ShapeDtypeStruct(l.shape, l.dtype) for p, l in zip(paths, leaves)}
+        self.layout_hints: dict[str, int] = {}
+        modules = dict(nnx.iter_modules(abstract))
+        sizes = {p: int(l.size) for p, l in zip(paths, leaves)}
+        self._unit_paths = select_units(
+            modules, sizes, policy, threshold, is_embedding=lambda m: isinstance(m, nnx.Embed)
+        )
+        self.units: list[Unit] = []
+        self._gdef, self._ptree, self._rtree, self._callers = [], [], [], []
+        for uid, up in enumerate(self._unit_paths):
+            unit = modules[up]
+            gdef, params, rest = nnx.split(unit, nnx.Param, ...)
+            own = _variables(unit)
+            full = tuple(canon[id(own[p])] for p in leaf_paths(params))
+            ls = jax.tree.leaves(params)
+            self.units.append(Unit(uid=uid, path=path_str(up), param_paths=full,
+                                   nbytes=nbytes_of((l.shape, l.dtype) for l in ls)))
+            self._gdef.append(gdef)
+            self._ptree.append(jax.tree.structure(params))
+            self._rtree.append(jax.tree.structure(rest))
+            self._callers.append(_UnitCaller(self, uid, unit))
+        self._wrap(abstract)
+        self._glue_gdef, gparams, _ = nnx.split(abstract, nnx.Param, ...)
+        self._glue_ptree = jax.tree.structure(gparams)
+        glue_vars = _variables(abstract)
+        self.glue_paths = [canon[id(glue_vars[p])] for p in leaf_paths(gparams)]
+        in_units = {p for u in self.units for p in u.param_paths}
+        both = [p for p in self.glue_paths if p in in_units]
+        if both:
+            raise UnitPolicyError(f"parameter {both[0]!r} is used both inside a unit and outside every unit; "
+                                  "make the module that holds it a unit, or keep it out of the units")
+        self._eval_gdefs: tuple[list[Any], Any] | None = None  # built on first evaluation
+
+    def _gdefs(self, train: bool) -> tuple[list[Any], Any]:
+        """Graph definitions of the units and the glue in training or evaluation mode.
+
+        Evaluation mode is what ``model.eval()`` gives: ``deterministic=True`` and
+        ``use_running_average=True`` on every submodule that has them (dropout off,
+        batch statistics frozen). They are static attributes, so they live in
+        the graph definitions (and the program cache keys), not in the state.
+        """
+        if train:
+            return self._gdef, self._glue_gdef
+        if self._eval_gdefs is None:
+            model = nnx.eval_shape(self.constructor)
+            model.eval()
+            units = [nnx.split(get_path(model, up), nnx.Param, ...)[0] for up in self._unit_paths]
+            self._wrap(model)
+            self._eval_gdefs = (units, nnx.split(model, nnx.Param, ...)[0])
+        return self._eval_gdefs
+
+    def _wrap(self, model: nnx.Module) -> None:
+        """Replaces every unit of ``model`` by a proxy holding the unit's non-parameter variables."""
+        proxies = []
+        for caller, u, up in zip(self._callers, self.units, self._unit_paths):
+            unit = get_path(model, up)
+            own = _variables(unit)
+            rest = nnx.split(unit, nnx.Param, ...)[2]
+            proxies.append(UnitProxy(caller, u.path, [own[p] for p in leaf_paths(rest)]))
+        for proxy, up in zip(proxies, self._unit_paths):
+            _set(model, up, proxy)
+
+    def program_key(self, uid: int, method: str, train: bool = True) -> Hashable:
+        return ("nnx", self._gdefs(train)[0][uid], method)
+
+    def unit_fn(self, uid: int, method: str, train: bool = True) -> Callable:
+        gdef, ptree, rtree = self._gdefs(train)[0][uid], self._ptree[uid], self._rtree[uid]
+
+        def fn(full, inputs):
+            args, kwargs, ngdef, nstate, held = inputs
+            m = nnx.merge(gdef, jax.tree.unflatten(ptree, full), jax.tree.unflatten(rtree, list(held)))
+            box = nnx.merge(ngdef, nstate) if ngdef is not None else None
+            args, kwargs = jax.tree.map(lambda x: box[x.index] if isinstance(x, _NodeRef) else x, (args, kwargs))
+            out = getattr(m, method)(*args, **kwargs)
+            sown = nnx.pop(m, nnx.Intermediate)
+            new_held = jax.tree.leaves(nnx.split(m, nnx.Param, ...)[2])
+            return out, sown, new_held, (nnx.split(box)[1] if box is not None else None)
+
+        return fn
+
+    @staticmethod
+    def call_state(inputs: Any) -> Any:
+        """The part of a unit call's inputs that is model state (replicated on every device)."""
+        return inputs[3], inputs[4]
+
+    def attach_sown(self, proxy: UnitProxy, sown: nnx.State) -> None:
+        """Puts values a unit sowed on its proxy at the unit's own paths (appending like ``sow``)."""
+        added = getattr(self._run, "added", None)
+        for path, var in nnx.to_flat_state(sown):
+            parent = proxy
+            for name in path[:-1]:
+                if name not in vars(parent):
+                    setattr(parent, name, _SownScope())
+                    if added is not None:
+                        added.append((parent, name))
+                parent = getattr(parent, name)
+            name, value = path[-1], var.get_value()
+            if name in vars(parent):
+                old = getattr(parent, name)
+                old.set_value(tuple(old.get_value()) + tuple(value))
+            else:
+                setattr(parent, name, nnx.Intermediate(value))
+                if added is not None:
+                    added.append((parent, name))
+
+    def init_params(self, paths: Sequence[str], transform: Callable, shardings: Sequence[Any]) -> list[jax.Array]:
+        def f():
+            model = self.constructor()
+            canon = {id(v): path_str(p) for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)}
+            flat = {canon[id(v)]: v.get_value() for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)}
+            return [transform(p, flat[p]) for p in paths]
+
+        return exact_jit_call(f, list(shardings))
+
+    def _state_of(self, model: nnx.Module) -> Any:
+        self._wrap(model)
+        return nnx.split(model, nnx.Param, ...)[2]
+
+    def init_state(self, sharding: Any) -> Any:
+        """Every non-parameter variable of the model (units' included), replicated."""
+        return exact_jit_call(lambda: self._state_of(self.constructor()), sharding)
+
+    def abstract_state(self) -> Any:
+        return jax.eval_shape(lambda: self._state_of(self.constructor()))
+
+    def run(self, loss_fn: Callable, glue: Sequence[jax.Array], state: Any, batch: Any, hook: Hook,
+            train: bool = True) -> tuple[Any, Any, Any]:
+        """Runs ``loss_fn(wrapped_model, batch)``.
+
+        Returns:
+          ``(loss_out, new_state, batch_state)``: the loss output, the model's new
+          non-parameter state, and the new state of NNX objects in the batch.
+        """
+        state = jax.tree.map(lambda x: x, state)  # fresh Variables in the current trace
+        model = nnx.merge(self._gdefs(train)[1], jax.tree.unflatten(self._glue_ptree, list(glue)), state)
+        nodes = [x for x in jax.tree.leaves(batch, is_leaf=nnx.graph.is_graph_node) if nnx.graph.is_graph_node(x)]
+        box = None
+        if nodes:  # NNX objects in the batch (an nnx.Rngs): fresh copies in this trace, written back after
+            gdef, st = nnx.split(nnx.List(nodes))
+            box = nnx.merge(gdef, jax.tree.map(lambda x: x, st))
+            it = iter(box)
+            batch = jax.tree.map(lambda x: next(it) if nnx.graph.is_graph_node(x) else x, batch,
+                                 is_leaf=nnx.graph.is_graph_node)
+        self._run.added = added = []
+        try:
+            with self.hook.installed(hook):
+                out = loss_fn(model, batch)
+        finally:
+            self._run.added = None
+        for parent, name in reversed(added):  # sown values live for one pass
+            if name in vars(parent):
+                delattr(parent, name)
+        nnx.pop(model, nnx.Intermediate)
+        return out, nnx.split(model, nnx.Param, ...)[2], (nnx.split(box)[1] if box is not None else None)
+
+    def update_batch(self, batch: Any, batch_state: Any) -> None:
+        """Writes the new state of the NNX objects in ``batch`` into them (RNG counters advance)."""
+        if batch_state is None:
+            return
+        nodes = [x for x in jax.tree.leaves(batch, is_leaf=nnx.graph.is_graph_node) if nnx.graph.is_graph_node(x)]
+        nnx.update(nnx.List(nodes), batch_state)
+
+    def model_state(self, state: Any) -> nnx.State:
+        """The engine's state in the unwrapped model's own structure (``blocks/0/bn/mean``, ...)."""
+        model = nnx.eval_shape(self.constructor)
+        units = [get_path(model, up) for up in self._unit_paths]
+        self._wrap(model)  # proxies hold the units' own Variable objects
+        nnx.update(model, state)
+        for unit, up in zip(units, self._unit_paths):
+            _set(model, up, unit)
+        return nnx.state(model, nnx.Not(nnx.Param))
+
+    def structure(self, flat: dict[str, Any]) -> nnx.State:
+        """Path -> value as an ``nnx.State`` shaped like the model's params."""
+        st = nnx.state(nnx.eval_shape(self.constructor), nnx.Param)
+        paths = [path_str(p) for p in leaf_paths(st)]
+        return jax.tree.unflatten(jax.tree.structure(st), [flat[p] for p in paths])

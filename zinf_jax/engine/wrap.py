@@ -1,0 +1,29 @@
+"""One place that turns what the user passes as ``model`` into an adapter."""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import flax.linen as nn
+
+from zinf_jax.engine.linen_adapter import LinenAdapter
+from zinf_jax.engine.nnx_adapter import NnxAdapter
+from zinf_jax.units import UnitPolicy
+
+__all__ = ["make_adapter"]
+
+
+def make_adapter(model: Callable[[], Any] | nn.Module, *, policy: UnitPolicy | None, threshold: int, seed: int,
+                 init_args: tuple = (), init_kwargs: Mapping[str, Any] | None = None,
+                 logical_axis_rules: Any = None) -> NnxAdapter | LinenAdapter:
+    """The adapter for an NNX constructor or a Linen module.
+
+    Raises:
+      TypeError: ``model`` is neither.
+    """
+    policy = policy or UnitPolicy()
+    if isinstance(model, nn.Module):
+        return LinenAdapter(model, tuple(init_args), dict(init_kwargs or {}), policy, threshold, seed,
+                            logical_axis_rules)
+    if callable(model):
+        return NnxAdapter(model, policy, threshold)
+    raise TypeError(f"model must be an NNX constructor (a callable) or a Linen module, got {type(model).__name__}")
