@@ -343,3 +343,15 @@ def test_sow_model_gradients_match(tmp_path):
         np.testing.assert_allclose(got[path], r, rtol=1e-5, atol=1e-5 * np.abs(r).max(), err_msg=path)
     sm.prefetcher.close()
     sm.store.tier.close()
+
+
+def test_eval_step_returns_what_its_loss_returns():
+    """An evaluation loss returning a scalar works after training with has_aux=True (and vice versa)."""
+    ctor = lambda: NnxCNN(rngs=nnx.Rngs(0, dropout=1))  # noqa: E731
+    eng = zinf.initialize(ctor, config=zinf.ZeroConfig(persistence_threshold=64), has_aux=True,
+                          loss_fn=lambda m, b: (xent(m(b[0]), b[1]), {"n": b[1].shape[0]}))
+    eng.train_step(images(0))
+    assert np.ndim(eng.eval_step(images(1), loss_fn=lambda m, b: xent(m(b[0]), b[1]))) == 0
+    loss, aux = eng.eval_step(images(1))
+    assert aux == {"n": 8}
+    eng.close()

@@ -199,8 +199,7 @@ class Engine:
         """
         batch = self.shard_batch(batch)
         glue = self.store.fetch(self.adapter.glue_paths)
-        loss, aux = self.streamed.forward(loss_fn or self.loss_fn, batch, glue, has_aux=self.has_aux)
-        return (loss, aux) if self.has_aux else loss
+        return self.streamed.forward(loss_fn or self.loss_fn, batch, glue, has_aux=True)  # as the loss returns it
 
     # --- reading back -----------------------------------------------------------------
     def param_arrays(self) -> dict[str, np.ndarray]:
