@@ -22,6 +22,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zinf_jax.config import ZeroConfig
 from zinf_jax.engine.init import init_unit_by_unit
+from zinf_jax.engine.micro import micro_batches
+from zinf_jax.engine.pretrained import Pretrained
 from zinf_jax.engine.store import ParamStore
 from zinf_jax.engine.streamed import ParamLoss, StreamedModel
 from zinf_jax.engine.wrap import make_adapter
@@ -57,14 +59,16 @@ class Engine:
     the constructor directly.
     """
 
-    def __init__(self, *, adapter: Any, config: ZeroConfig, mesh: Mesh, optimizer: AdamSpec, loss_fn: Callable,
-                 has_aux: bool, init: str = "fresh", track_live_arrays: bool = False,
-                 param_loss: ParamLoss | None = None):
+    def __init__(self, *, adapter: Any, config: ZeroConfig, mesh: Mesh, optimizer: Any, loss_fn: Callable,
+                 has_aux: bool = False, init: str = "fresh", track_live_arrays: bool = False,
+                 param_loss: ParamLoss | None = None, trainable: Any = None, params: Any = None):
         self.adapter, self.config, self.mesh, self.loss_fn, self.has_aux = adapter, config, mesh, loss_fn, has_aux
         self.optimizer_spec = optimizer
+        self.trainable: frozenset[str] = _trainable_paths(adapter, trainable)
+        pretrained = None if params is None else Pretrained(params, adapter.abstract_params)
         self.compute_dtype = config.resolved_compute_dtype(jax.devices()[0].platform)
         self.layouts: dict[str, ParamLayout] = plan_partition(adapter.abstract_params, mesh, config.persistence_threshold,
-                                                              adapter.layout_hints)
+                                                              adapter.layout_hints, config.zero_axes)
         placement = self._placement()
         po, oo = config.offload_param, config.offload_optimizer
         with contextlib.ExitStack() as undo:  # a failure while building releases the tiers (and their locks)
@@ -78,21 +82,25 @@ class Engine:
             self.store = ParamStore(self.param_tier, self.layouts, mesh, self.compute_dtype)
             ls = config.loss_scale if (self.compute_dtype == "float16" or config.loss_scale.enabled) else None
             self.optimizer = StreamedAdam(
-                optimizer, self.opt_tier, self.layouts, local_indices=self.store.local_indices, owner=self._owner,
+                optimizer, self.opt_tier, {p: l for p, l in self.layouts.items() if p in self.trainable},
+                local_indices=self.store.local_indices, owner=self._owner,
                 sub_group_size=config.sub_group_size, buffer_count=oo.buffer_count, loss_scale=ls, allreduce=_allreduce,
             )
             self.optimizer.declare()
             if init == "fresh":
                 def to_optimizer(path: str, arr: jax.Array) -> None:
+                    if path not in self.trainable:  # frozen: only its compute-dtype copy in the param tier
+                        return
                     for idx, shard in split_local(self.layouts[path], mesh, arr).items():
                         self.optimizer.init_shard(path, idx, np.asarray(shard, np.float32))
 
-                init_unit_by_unit(adapter, self.store, on_param=to_optimizer, metadata={"step": 0})
+                init_unit_by_unit(adapter, self.store, on_param=to_optimizer, metadata={"step": 0},
+                                  values=None if pretrained is None else pretrained.read)
                 self.optimizer.commit({"step": 0})
             self.streamed = StreamedModel(
                 adapter, self.store, prefetch_depth=config.prefetch_depth, max_live_bytes=config.max_live_bytes,
                 offload_activations=config.offload_activations, track_live_arrays=track_live_arrays,
-                param_loss=param_loss,
+                param_loss=param_loss, trainable=self.trainable,
             )
             undo.pop_all()
         self.user_state: dict[str, Any] = {}
@@ -101,7 +109,7 @@ class Engine:
     def _placement(self) -> Callable[[int], jax.Device]:
         from zinf_jax.sharding import local_shard_devices
 
-        local = local_shard_devices(self.mesh)
+        local = local_shard_devices(self.mesh, self.config.zero_axes)
         return lambda i: local.get(i, [jax.local_devices()[0]])[0]
 
     def _owner(self, path: str, index: int) -> bool:
@@ -114,7 +122,7 @@ class Engine:
     def _shard_index(self, d: jax.Device) -> int:
         from zinf_jax.sharding import shard_index_of
 
-        return shard_index_of(self.mesh, d)
+        return shard_index_of(self.mesh, d, self.config.zero_axes)
 
     # --- steps ---------------------------------------------------------------------
     @property
@@ -141,22 +149,40 @@ class Engine:
         return jax.tree.map(put, batch, is_leaf=nnx.graph.is_graph_node)
 
     def train_step(self, batch: Any) -> dict[str, Any]:
-        """One streamed forward/backward and optimizer step.
+        """One streamed forward/backward (per micro-batch) and one optimizer step.
+
+        With ``config.gradient_accumulation_steps = k > 1`` the batch's leading
+        axis is cut into ``k`` equal micro-batches (per process); their mean
+        gradient makes one optimizer step, ``loss`` is their mean loss.
 
         Returns:
           ``loss``, ``grad_norm``, ``skipped``, ``loss_scale``, ``lr``, ``step``,
           ``step_time_s``, ``tokens_per_s`` (elements of the first batch leaf),
           ``peak_device_bytes``, ``bytes_param_tier``, ``bytes_optimizer_tier``,
-          and ``aux`` when ``loss_fn`` returns one.
+          and ``aux`` when ``loss_fn`` returns one (a list of ``k`` auxes with accumulation).
+
+        Raises:
+          ValueError: the batch does not split into ``k`` micro-batches (before anything changes).
         """
         t0 = time.perf_counter()
-        batch = self.shard_batch(batch)
+        k = self.config.gradient_accumulation_steps
+        parts = micro_batches(batch, k)  # before any state changes: a batch that does not split is refused
         glue = self.store.fetch(self.adapter.glue_paths)
-        loss, aux, g_glue = self.streamed.forward_backward(
-            self.loss_fn, batch, glue, has_aux=self.has_aux, loss_scale=self.optimizer.loss_scale
-        )
-        for path, g in zip(self.adapter.glue_paths, g_glue):
-            self.streamed.sink.add_local(path, 0, np.asarray(g.addressable_data(0), np.float32))  # replicated
+        losses, auxes = [], []
+        for i, part in enumerate(parts):  # each backward seeded with scale / k: the sink sums the mean gradient
+            part = self.shard_batch(part)
+            loss, aux, g_glue = self.streamed.forward_backward(
+                self.loss_fn, part, glue, has_aux=self.has_aux, loss_scale=self.optimizer.loss_scale / k,
+                accumulate=i > 0,
+            )
+            for path, g in zip(self.adapter.glue_paths, g_glue):
+                if path in self.trainable:
+                    self.streamed.sink.add_local(path, 0, np.asarray(g.addressable_data(0), np.float32))  # replicated
+            losses.append(float(loss))
+            auxes.append(aux)
+        loss = math.fsum(losses) / k
+        aux = auxes[0] if k == 1 else auxes
+        batch = part
         dt = self.compute_dtype
 
         def write_param(path: str, index: int, value: np.ndarray) -> Any:
@@ -170,10 +196,10 @@ class Engine:
         elapsed = time.perf_counter() - t0
         first = next(x for x in jax.tree.leaves(batch, is_leaf=nnx.graph.is_graph_node) if hasattr(x, "shape"))
         out = {
-            "loss": float(loss),
+            "loss": loss,
             **m,
             "step_time_s": elapsed,
-            "tokens_per_s": math.prod(first.shape) / elapsed,
+            "tokens_per_s": k * math.prod(first.shape) / elapsed,
             "peak_device_bytes": self.streamed.peak_device_bytes,
             "bytes_param_tier": _tier_bytes(self.param_tier),
             "bytes_optimizer_tier": _tier_bytes(self.opt_tier),
@@ -203,10 +229,18 @@ class Engine:
 
     # --- reading back -----------------------------------------------------------------
     def param_arrays(self) -> dict[str, np.ndarray]:
-        """float32 master values of every parameter as full host arrays, by path."""
+        """float32 master values of every parameter as full host arrays, by path.
+
+        Frozen parameters (see ``trainable``) have no master copy: their stored
+        compute-dtype values are returned, as float32.
+        """
         out = {}
         for path, lay in self.layouts.items():
-            shards = [self.optimizer.read_master(path, i) for i in self.store.local_indices(path)]
+            if path in self.trainable:
+                shards = [self.optimizer.read_master(path, i) for i in self.store.local_indices(path)]
+            else:
+                shards = [np.asarray(self.param_tier.get(path, i).result(), np.float32)
+                          for i in self.store.local_indices(path)]
             if len(shards) != lay.num_shards:
                 raise RuntimeError("params(): this process holds only some shards; use checkpoints to read all")
             full = shards[0] if lay.dim is None else np.concatenate(shards, axis=lay.dim)
@@ -224,11 +258,16 @@ class Engine:
                             self.streamed.state)
         return self.adapter.model_state(host)
 
-    def save(self, directory: str | os.PathLike, *, user_state: Mapping[str, Any] | None = None) -> Path:
-        """Saves the whole training state with orbax (atomic). See :mod:`zinf_jax.checkpoint`."""
+    def save(self, directory: str | os.PathLike, *, user_state: Mapping[str, Any] | None = None,
+             max_to_keep: int | None = None) -> Path:
+        """Saves the whole training state with orbax (atomic). See :mod:`zinf_jax.checkpoint`.
+
+        ``max_to_keep``: once this checkpoint is complete, delete the oldest ones so
+        that at most this many remain (never this one; ``None`` keeps all).
+        """
         from zinf_jax.checkpoint import save
 
-        return save(self, directory, user_state=user_state)
+        return save(self, directory, user_state=user_state, max_to_keep=max_to_keep)
 
     def close(self) -> None:
         """Finishes I/O and releases the tiers (and their directory locks), all of them even if one fails."""
@@ -239,6 +278,17 @@ class Engine:
                 self.param_tier.close()
             finally:
                 self.opt_tier.close()
+
+
+def _trainable_paths(adapter: Any, trainable: Any) -> frozenset[str]:
+    """The paths ``trainable`` selects (all parameters when ``None``); selecting none is an error."""
+    if trainable is None:
+        return frozenset(adapter.abstract_params)
+    paths = frozenset(adapter.select(trainable))
+    if not paths:
+        raise ValueError(f"trainable={trainable!r} selects no parameter of the model; parameters are e.g. "
+                         f"{sorted(adapter.abstract_params)[:4]}")
+    return paths
 
 
 def close_quietly(closable: Any) -> None:
@@ -257,7 +307,7 @@ def initialize(
     *,
     config: ZeroConfig | None = None,
     mesh: Mesh | None = None,
-    optimizer: AdamSpec | None = None,
+    optimizer: Any = None,
     loss_fn: Callable,
     init_args: tuple = (),
     init_kwargs: Mapping[str, Any] | None = None,
@@ -265,6 +315,8 @@ def initialize(
     has_aux: bool = False,
     param_loss: ParamLoss | None = None,
     logical_axis_rules: Any = None,
+    trainable: Any = None,
+    params: Any = None,
     track_live_arrays: bool = False,
 ) -> Engine:
     """Builds a ZeRO-3/Infinity engine for a Flax model.
@@ -274,8 +326,12 @@ def initialize(
         traced abstractly, never materialised whole) or a Linen module.
       config: tiers, prefetching, dtypes (default :class:`ZeroConfig`).
       mesh: the mesh (default :func:`zinf_jax.make_mesh`: every device on ``fsdp``).
-      optimizer: :func:`zinf_jax.adamw` / :func:`zinf_jax.adam`; default from
-        ``config.optimizer`` (a DeepSpeed config), else AdamW(1e-3).
+      optimizer: :func:`zinf_jax.adamw` / :func:`zinf_jax.adam` (the fused
+        kernel), or any element-wise optax ``GradientTransformation`` (sgd,
+        momentum, the adam family, lion, adagrad, rmsprop, with schedules,
+        callable masks, ``optax.clip_by_global_norm`` at the head of a chain);
+        one that is not element-wise (adafactor, shampoo) is refused. Default
+        from ``config.optimizer`` (a DeepSpeed config), else AdamW(1e-3).
       loss_fn: ``loss_fn(model, batch) -> loss`` (or ``(loss, aux)`` with
         ``has_aux=True``); ``model`` is the wrapped NNX module, or for Linen a
         callable ``model(*args, **kwargs)``.
@@ -291,28 +347,39 @@ def initialize(
         ``nn.with_logical_partitioning`` parameters to mesh axes; the dimension
         mapped to ``fsdp`` is the one sharded (default: the rules of an
         enclosing ``nn.logical_axis_rules`` context, if any).
+      trainable: which parameters are trained; the others are frozen: streamed
+        for forward and backward like the rest, but never differentiated, with
+        no optimizer state and never rewritten (fine-tuning, LoRA). NNX: a
+        filter as ``nnx.Optimizer(wrt=...)`` takes (``nnx.LoRAParam``, a
+        Variable type, ``nnx.PathContains("head")``, a ``(path, value)``
+        predicate); Linen: a predicate on the ``/``-joined parameter path.
+        Default: every parameter.
+      params: initial values instead of the model's initialisers: a pytree of
+        host arrays in the model's own structure (``nnx.state(model,
+        nnx.Param)`` or the Linen params dict), or the directory of a plain
+        orbax checkpoint of one (read unit by unit). See
+        :class:`~zinf_jax.engine.pretrained.Pretrained`.
       track_live_arrays: record ``jax.live_arrays()`` peaks (tests, benchmarks).
 
     Raises:
       ConfigError, TierError, UnitPolicyError, ParamMismatchError: with a message
         naming the problem and the fix.
     """
-    return _build(model, config=config, mesh=mesh, optimizer=optimizer, loss_fn=loss_fn, init_args=init_args,
-                  init_kwargs=init_kwargs, unit_policy=unit_policy, has_aux=has_aux, param_loss=param_loss,
-                  logical_axis_rules=logical_axis_rules, track_live_arrays=track_live_arrays, init="fresh")
+    return _build(model, config=config, mesh=mesh, optimizer=optimizer, init_args=init_args,
+                  init_kwargs=init_kwargs, unit_policy=unit_policy, logical_axis_rules=logical_axis_rules,
+                  init="fresh", loss_fn=loss_fn, has_aux=has_aux, param_loss=param_loss, trainable=trainable,
+                  params=params, track_live_arrays=track_live_arrays)
 
 
-def _build(model: Any, *, config: ZeroConfig | None, mesh: Mesh | None, optimizer: AdamSpec | None,
-           loss_fn: Callable, init_args: tuple, init_kwargs: Mapping[str, Any] | None,
-           unit_policy: UnitPolicy | None, has_aux: bool, track_live_arrays: bool, init: str,
-           param_loss: ParamLoss | None = None, logical_axis_rules: Any = None) -> Engine:
+def _build(model: Any, *, config: ZeroConfig | None = None, mesh: Mesh | None = None, optimizer: Any = None,
+           init_args: tuple = (), init_kwargs: Mapping[str, Any] | None = None,
+           unit_policy: UnitPolicy | None = None, logical_axis_rules: Any = None, **engine_kw: Any) -> Engine:
     config = config or ZeroConfig()
     mesh = mesh or make_mesh()
     optimizer = optimizer or _opt_from_config(config)
     adapter = make_adapter(model, policy=unit_policy, threshold=config.persistence_threshold, seed=config.seed,
                            init_args=init_args, init_kwargs=init_kwargs, logical_axis_rules=logical_axis_rules)
-    return Engine(adapter=adapter, config=config, mesh=mesh, optimizer=optimizer, loss_fn=loss_fn,
-                  has_aux=has_aux, init=init, track_live_arrays=track_live_arrays, param_loss=param_loss)
+    return Engine(adapter=adapter, config=config, mesh=mesh, optimizer=optimizer, **engine_kw)
 
 
 def restore(
@@ -332,10 +399,9 @@ def restore(
     from zinf_jax.checkpoint import latest_step_dir, restore_into
 
     step_dir = latest_step_dir(directory)
-    kw = {"config": None, "mesh": None, "optimizer": None, "init_args": (), "init_kwargs": None,
-          "unit_policy": None, "has_aux": False, "track_live_arrays": False, "param_loss": None,
-          "logical_axis_rules": None, **kwargs}
-    engine = _build(model, init="none", **kw)
+    if "params" in kwargs:
+        raise TypeError("restore() takes its values from the checkpoint; params= is for initialize()")
+    engine = _build(model, init="none", **kwargs)
     try:
         restore_into(engine, step_dir)
     except BaseException:

@@ -5,8 +5,11 @@ A checkpoint is a directory ``<dir>/step_<N>/`` holding::
     zinf_meta.json     step, optimizer counters (loss scale, skips), config,
                        parameter table (path, shape, dtype, unit), user state
     group_<k>/         one orbax PyTree checkpoint per unit (then one for the
-                       persistent params): {"master"|"m"|"v": {path...: array}}
-                       float32, in the parameters' own shapes
+                       persistent params): {state: {path...: array}}, float32,
+                       in the parameters' own shapes; the states of a trained
+                       parameter are the optimizer's ("master", "m", "v" for
+                       Adam; "master", "s0", ... for an optax transform), a
+                       frozen one is stored once, as "frozen"
     rng/               orbax PyTree checkpoint of the RNG and other non-param state
 
 Groups are written one at a time from the optimizer tier, so the state is never
@@ -14,6 +17,13 @@ all in RAM at once, even when it lives on NVMe. Every group is an ordinary orbax
 save (orbax's own tmp-dir + commit protocol); the step directory itself is
 assembled under a temporary name and renamed into place only when complete, so
 a crash mid-save leaves the previous checkpoint as it was.
+
+Retention: ``save(..., max_to_keep=N)`` then deletes the oldest complete
+checkpoints so that at most N remain (never the one just written, and nothing
+when the save fails). A doomed ``step_<N>`` is first renamed to a hidden
+``.del_step_<N>_*`` and only then removed, so a crash mid-delete never leaves a
+half-deleted directory that looks like a checkpoint; the next save clears such
+leftovers.
 
 Reading without zinf_jax::
 
@@ -23,11 +33,14 @@ Reading without zinf_jax::
 """
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import json
-import math
 import os
+import re
 import shutil
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -45,7 +58,7 @@ from zinf_jax.sharding import ParamLayout, assemble, from_stored, split_local, t
 __all__ = ["save", "restore_into", "latest_step_dir", "read_meta", "CheckpointError", "META"]
 
 META = "zinf_meta.json"
-STATES = ("master", "m", "v")
+LEGACY_STATES = ("master", "m", "v")  # checkpoints written before meta["states"] existed
 
 
 class CheckpointError(ValueError):
@@ -91,28 +104,18 @@ def _save_sharding(engine: Any, lay: ParamLayout) -> Any:
     return NamedSharding(engine.mesh, lay.spec)
 
 
-def _chunking(engine: Any, path: str, which: str) -> tuple[str, int, int, int]:
-    """Key, chunks per shard, chunk length and shard length of an optimizer state (the driver's layout)."""
-    lay = engine.layouts[path]
-    key = f"{which}/{path}"
-    spec = engine.opt_tier.spec(key)
-    return key, spec.num_shards // lay.num_shards, spec.shard_shape[0], math.prod(lay.shard_shape)
+FROZEN = "frozen"  # the one state of a frozen parameter (see ``initialize(trainable=...)``): its value
+
+
+def states_of(engine: Any, path: str) -> tuple[str, ...]:
+    """What a checkpoint stores of ``path``: the optimizer's states (``master``, ``m``, ``v``...) or ``frozen``."""
+    return engine.optimizer.state_names(path) if path in engine.trainable else (FROZEN,)
 
 
 def _read_state(engine: Any, path: str, index: int, which: str) -> np.ndarray:
-    key, n, chunk, numel = _chunking(engine, path, which)
-    out = np.empty(n * chunk, np.float32)
-    for f in [engine.opt_tier.get(key, index * n + c, out=out[c * chunk:(c + 1) * chunk]) for c in range(n)]:
-        f.result()
-    return out[:numel].reshape(engine.layouts[path].shard_shape)
-
-
-def _write_state(engine: Any, path: str, index: int, which: str, value: np.ndarray) -> None:
-    key, n, chunk, numel = _chunking(engine, path, which)
-    flat = np.zeros(n * chunk, np.float32)
-    flat[:numel] = np.asarray(value, np.float32).reshape(-1)
-    for f in [engine.opt_tier.put(key, index * n + c, flat[c * chunk:(c + 1) * chunk]) for c in range(n)]:
-        f.result()
+    if which == FROZEN:  # only its compute-dtype copy exists, in the param tier
+        return np.asarray(engine.param_tier.get(path, index).result(), np.float32)
+    return engine.optimizer.read_state(path, index, which)
 
 
 def _global_state(engine: Any, path: str, which: str) -> jax.Array:
@@ -131,28 +134,127 @@ def _rng_tree(engine: Any) -> dict[str, Any]:
             for i, x in enumerate(leaves)}
 
 
-def save(engine: Any, directory: str | os.PathLike, *, user_state: Mapping[str, Any] | None = None) -> Path:
+_STEP_DIR = re.compile(r"step_(\d+)")
+_DOOMED = ".del_"  # prefix of a step directory being deleted (hidden, and not ``step_*``)
+
+
+def _check_max_to_keep(max_to_keep: Any) -> None:
+    if max_to_keep is None:
+        return
+    if isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1:
+        raise ValueError(f"max_to_keep must be a positive int or None (keep all), got {max_to_keep!r}")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _complete_steps(root: Path) -> list[tuple[int, Path]]:
+    """The complete ``step_<N>`` directories under ``root``, oldest first."""
+    out = []
+    for p in root.iterdir():
+        m = _STEP_DIR.fullmatch(p.name)
+        if m and (p / META).is_file():
+            out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class _StepInfo:
+    """One checkpoint as orbax's preservation policies see it (``PolicyCheckpointInfo``)."""
+
+    step: int
+    time: datetime.datetime
+    metrics: dict[str, Any] | None = None
+
+
+def _doomed_steps(root: Path, keep: Path, max_to_keep: int) -> list[Path]:
+    """The complete checkpoints to delete so that at most ``max_to_keep`` remain, ``keep`` among them.
+
+    The choice is orbax's own ``LatestN`` preservation policy (the one its
+    CheckpointManager applies for ``max_to_keep``), used on its own: zinf assembles
+    the step directories itself, so no CheckpointManager owns them. ``keep`` (the
+    checkpoint just written) is always kept, and the newest ``max_to_keep - 1``
+    of the others with it.
+    """
+    others = [p for _, p in _complete_steps(root) if p.name != keep.name]
+    infos = [_StepInfo(step=int(_STEP_DIR.fullmatch(p.name).group(1)),
+                       time=datetime.datetime.fromtimestamp((p / META).stat().st_mtime)) for p in others]
+    policy = ocp.checkpoint_managers.LatestN(n=max_to_keep - 1)
+    preserve = policy.should_preserve(infos, context=ocp.checkpoint_managers.PreservationContext())
+    return [p for p, kept in zip(others, preserve) if not kept]
+
+
+def _remove_doomed_leftovers(root: Path) -> None:
+    """Finishes deletions a crash interrupted (``.del_*`` directories)."""
+    for p in root.glob(_DOOMED + "*"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _apply_retention(root: Path, keep: Path, max_to_keep: int | None) -> None:
+    """Deletes the oldest complete checkpoints beyond ``max_to_keep`` (rename out of ``step_*``, then remove).
+
+    Runs only after ``keep`` is complete and durable. A failure to delete is a
+    warning, not an error: the checkpoint just written is good.
+    """
+    if max_to_keep is None:
+        return
+    try:
+        doomed = []
+        for p in _doomed_steps(root, keep, max_to_keep):
+            hidden = root / f"{_DOOMED}{p.name}_{uuid.uuid4().hex[:8]}"
+            os.rename(p, hidden)
+            doomed.append(hidden)
+        if doomed:
+            _fsync_dir(root)  # the renames are durable before any file goes
+        for p in doomed:
+            shutil.rmtree(p)
+    except OSError as e:
+        warnings.warn(f"checkpoint retention (max_to_keep={max_to_keep}) in {str(root)!r}: could not delete an old "
+                      f"checkpoint: {e}", RuntimeWarning, stacklevel=3)
+
+
+def save(engine: Any, directory: str | os.PathLike, *, user_state: Mapping[str, Any] | None = None,
+         max_to_keep: int | None = None) -> Path:
     """Writes ``<directory>/step_<N>`` for the engine's current step (see module doc).
 
     Args:
       engine: the engine.
       directory: parent directory of the step directories (created).
       user_state: JSON-serialisable data stored with it (e.g. the data position).
+      max_to_keep: once the new checkpoint is complete, delete the oldest complete
+        ``step_*`` checkpoints so that at most this many remain (the new one is
+        never deleted; nothing is deleted if the save fails). ``None`` keeps all.
 
     Returns:
       The step directory.
+
+    Raises:
+      ValueError: ``max_to_keep`` is not a positive int or None.
     """
+    _check_max_to_keep(max_to_keep)
     root = Path(directory).absolute()  # orbax wants absolute paths
     root.mkdir(parents=True, exist_ok=True)
+    _remove_doomed_leftovers(root)
     final = root / f"step_{engine.step:08d}"
     if (final / META).exists():
+        _apply_retention(root, final, max_to_keep)
         return final
     tmp = root / f".tmp_step_{engine.step:08d}_{uuid.uuid4().hex[:8]}"
     ckptr = ocp.PyTreeCheckpointer()
     groups = param_groups(engine.adapter)
     try:
         for k, group in enumerate(groups):
-            tree = {s: _nest({p: _global_state(engine, p, s) for p in group}) for s in STATES}
+            flat: dict[str, dict[str, jax.Array]] = {}
+            for p in group:
+                for s in states_of(engine, p):
+                    flat.setdefault(s, {})[p] = _global_state(engine, p, s)
+            tree = {s: _nest(v) for s, v in flat.items()}
+            del flat
             ckptr.save(tmp / f"group_{k:04d}", tree)
             del tree
         rng = _rng_tree(engine)
@@ -165,6 +267,7 @@ def save(engine: Any, directory: str | os.PathLike, *, user_state: Mapping[str, 
             "config": engine.config.to_dict(),
             "params": _signature(engine),
             "groups": [list(g) for g in groups],
+            "states": {p: list(states_of(engine, p)) for p in engine.layouts},
             "user_state": dict(user_state if user_state is not None else engine.user_state),
         }
         with open(tmp / META, "w") as f:
@@ -172,20 +275,38 @@ def save(engine: Any, directory: str | os.PathLike, *, user_state: Mapping[str, 
             f.flush()
             os.fsync(f.fileno())
         os.rename(tmp, final)
-        fd = os.open(root, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _apply_retention(root, final, max_to_keep)
     return final
 
 
 def _target(engine: Any, path: str) -> jax.ShapeDtypeStruct:
     lay = engine.layouts[path]
     return jax.ShapeDtypeStruct(lay.shape, jnp.float32, sharding=_save_sharding(engine, lay))
+
+
+def _restore_param(engine: Any, path: str, saved: dict[str, jax.Array]) -> list[str]:
+    """Writes one parameter's saved states into the engine; ``[path]`` if its optimizer state starts fresh."""
+    lay = engine.layouts[path]
+    parts = {}
+    for s, arr in saved.items():
+        if lay.kind == "flat":
+            arr = jax.jit(lambda a: to_stored(lay, a), out_shardings=NamedSharding(engine.mesh, lay.spec))(arr)
+        parts[s] = {i: np.asarray(x, np.float32) for i, x in split_local(lay, engine.mesh, arr).items()}
+    value = parts["master" if "master" in parts else FROZEN]
+    want = states_of(engine, path)
+    restart = path in engine.trainable and not set(want) <= set(parts)
+    for i in engine.store.local_indices(path):
+        if restart:
+            engine.optimizer.init_shard(path, i, value[i])
+        elif path in engine.trainable:
+            for s in want:
+                engine.optimizer.write_state(path, i, s, parts[s][i])
+        engine.store.put_local(path, i, value[i]).result()
+    return [path] if restart else []
 
 
 def restore_into(engine: Any, step_dir: str | os.PathLike) -> dict[str, Any]:
@@ -207,23 +328,23 @@ def restore_into(engine: Any, step_dir: str | os.PathLike) -> dict[str, Any]:
             f"(model: {[mine.get(p) for p in diff]}, checkpoint: {[theirs.get(p) for p in diff]})"
         )
     ckptr = ocp.PyTreeCheckpointer()
+    saved_states = meta.get("states") or {p: list(LEGACY_STATES) for p in mine}
+    fresh: list[str] = []  # trained now, but the checkpoint has other (or no) optimizer state for them
     for k, group in enumerate(meta["groups"]):
-        target = {s: _nest({p: _target(engine, p) for p in group}) for s in STATES}
+        by_state: dict[str, dict[str, Any]] = {}
+        for p in group:
+            for s in saved_states[p]:
+                by_state.setdefault(s, {})[p] = _target(engine, p)
+        target = {s: _nest(v) for s, v in by_state.items()}
         args = ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
         flat = {s: _flatten(t) for s, t in ckptr.restore(step_dir / f"group_{k:04d}", args=args).items()}
         for path in group:
-            lay = engine.layouts[path]
-            parts = {}
-            for s in STATES:
-                arr = flat[s][path]
-                if lay.kind == "flat":
-                    arr = jax.jit(lambda a: to_stored(lay, a), out_shardings=NamedSharding(engine.mesh, lay.spec))(arr)
-                parts[s] = {i: np.asarray(x, np.float32) for i, x in split_local(lay, engine.mesh, arr).items()}
-            for i in engine.store.local_indices(path):
-                for s in STATES:
-                    _write_state(engine, path, i, s, parts[s][i])
-                engine.store.put_local(path, i, parts["master"][i]).result()
+            fresh += _restore_param(engine, path, {s: flat[s][path] for s in saved_states[path]})
         del flat
+    if fresh:
+        warnings.warn(f"checkpoint {str(step_dir)!r}: {len(fresh)} trained parameters (e.g. {fresh[0]!r}) have no "
+                      "matching optimizer state there (frozen then, or another optimizer): their optimizer state "
+                      "starts fresh from the saved values", UserWarning, stacklevel=3)
     if (step_dir / "rng").exists():
         cur = engine.streamed.state
         leaves, tree = jax.tree.flatten(cur)

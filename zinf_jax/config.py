@@ -64,6 +64,13 @@ _BOOL = (lambda v: isinstance(v, bool), "true or false")
 _PATH = (lambda v: isinstance(v, str) and v != "", "a non-empty directory path (str or os.PathLike)")
 
 
+def _as_names(value: Any) -> tuple[str, ...]:
+    """Returns a non-empty list or tuple of non-empty strs (mesh axis names) as a tuple."""
+    if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, str) and v for v in value):
+        raise _Invalid("a non-empty tuple of mesh axis names (non-empty str)")
+    return tuple(value)
+
+
 def _choices(choices: tuple[str, ...]) -> tuple[Callable[[Any], bool], str]:
     return (lambda v: isinstance(v, str) and v in choices), "one of " + ", ".join(map(repr, choices))
 
@@ -223,12 +230,18 @@ class ZeroConfig:
     """Asynchronous I/O settings of the NVMe tier."""
     gradient_clipping: float = _field(0.0, _as_float, *_NONNEG)
     """Clip gradients to this global norm; ``0``: no clipping."""
+    gradient_accumulation_steps: int = _field(1, _as_int, 1)
+    """Micro-batches per optimizer step: ``train_step`` splits the batch's leading axis into this many
+    equal parts and sums their gradients (each scaled by 1/k) before one optimizer step."""
     loss_scale: LossScaleConfig = _nested(LossScaleConfig(), LossScaleConfig)
     """Loss scaling (used with float16 compute)."""
     optimizer: OptimizerConfig | None = _nested(None, OptimizerConfig, optional=True)
     """Optimizer read from a DeepSpeed config; ``None``: the one given to ``initialize``."""
     seed: int = _field(0, _as_int)
     """Seed of the parameter initialisation."""
+    zero_axes: tuple[str, ...] | None = _field(None, _as_names, optional=True)
+    """Mesh axes parameters are sharded over (shard count: the product of their sizes), replicated over
+    the others; ``None``: every axis not named ``data`` or ``tensor`` (``fsdp`` with ``make_mesh``)."""
 
     __post_init__ = _validate
 
@@ -400,7 +413,8 @@ def _parse_deepspeed(path_or_dict: Any) -> ZeroConfig:
         aio=top.section("aio").build(AioConfig),
         max_live_bytes=None if max_live is None else max_live * (2 if dtype in ("bfloat16", "float16") else 4),
         compute_dtype=dtype, loss_scale=fp16.build(LossScaleConfig, enabled=use_fp16),
-        optimizer=optimizer, gradient_clipping=top.get("gradient_clipping", _as_float, *_NONNEG, default=0.0))
+        optimizer=optimizer, gradient_clipping=top.get("gradient_clipping", _as_float, *_NONNEG, default=0.0),
+        gradient_accumulation_steps=top.get("gradient_accumulation_steps", _as_int, 1, default=1))
     unused = sorted(f"{s.prefix}{k}" for s in top.sections for k in s.data if k not in s.used)
     notes = [f"{what}: {', '.join(keys)}" for what, keys in [("keys not used by zinf_jax", unused),
              ("'auto' replaced by the zinf_jax default", sorted(top.auto))] if keys]

@@ -27,7 +27,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from zinf_jax.config import ZeroConfig
 from zinf_jax.engine.wrap import make_adapter
@@ -327,11 +326,12 @@ def estimate_from_model(
                          if linen else jax.ShapeDtypeStruct((batch, seq), jnp.int32))
     loss_fn = loss_fn or ((lambda m, b: m(*b)) if linen else (lambda m, b: m(b)))
     example = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), example_batch)  # global
-    layouts = plan_partition(adapter.abstract_params, mesh, config.persistence_threshold, adapter.layout_hints)
+    layouts = plan_partition(adapter.abstract_params, mesh, config.persistence_threshold, adapter.layout_hints,
+                             config.zero_axes)
     cd = config.resolved_compute_dtype(platform := mesh.devices.flat[0].platform)
     dtype_of = {p: cd if jnp.issubdtype(jnp.dtype(lay.dtype), jnp.floating) else lay.dtype
                 for p, lay in layouts.items()}.__getitem__
-    devices = local_shard_devices(mesh)
+    devices = local_shard_devices(mesh, config.zero_axes)
     n_local, n_idx, P = sum(len(v) for v in devices.values()), len(devices), jax.process_count()
     shards = {p: 1 if lay.dim is None else n_idx for p, lay in layouts.items()}  # stored by this process
     item = {p: jnp.dtype(dtype_of(p)).itemsize for p in layouts}

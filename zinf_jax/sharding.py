@@ -1,15 +1,19 @@
 """Device mesh and the ZeRO-3 partition rule.
 
-Every parameter is split along the ``fsdp`` mesh axis:
+Every parameter is split over the *zero axes* of the mesh (:func:`zero_axes_of`:
+by default every axis but ``data`` and ``tensor``; with :func:`make_mesh`, the
+``fsdp`` axis), and replicated over the others. The shard count is the product
+of the zero axes' sizes:
 
-* ``sharded``: along the largest dimension whose size divides by the axis size;
+* ``sharded``: along the largest dimension whose size divides by the shard count;
 * ``flat``: no dimension divides, so the parameter is flattened and zero-padded
-  to a multiple of the axis size (restored exactly by :func:`from_stored`);
+  to a multiple of the shard count (restored exactly by :func:`from_stored`);
 * ``persistent``: at or under the persistence threshold (in elements), it stays
   whole on every device, like DeepSpeed's persistent parameters.
 
-The decision per parameter is plain data (:class:`ParamLayout`), printable as a
-table with :func:`format_table`.
+A batch's leading dimension is split over every axis but ``tensor``
+(:func:`batch_axes_of`). The decision per parameter is plain data
+(:class:`ParamLayout`), printable as a table with :func:`format_table`.
 """
 from __future__ import annotations
 
@@ -22,10 +26,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from zinf_jax.config import ConfigError
+
 __all__ = [
     "FSDP",
     "ParamLayout",
     "make_mesh",
+    "zero_axes_of",
+    "batch_axes_of",
     "batch_spec",
     "plan_partition",
     "to_stored",
@@ -38,7 +46,13 @@ __all__ = [
 ]
 
 FSDP = "fsdp"
-"""Name of the mesh axis that carries ZeRO-3 partitioning."""
+"""Name of the mesh axis of :func:`make_mesh` that carries ZeRO-3 partitioning."""
+
+REPLICA_AXES = ("data", "tensor")
+"""Axes of :func:`make_mesh` that replicate parameters (not zero axes by default)."""
+
+MODEL_AXES = ("tensor",)
+"""Axes that replicate the batch too (every other axis splits it)."""
 
 
 def make_mesh(
@@ -83,10 +97,45 @@ def make_mesh(
     return Mesh(arr, tuple(names), axis_types=tuple(AxisType.Auto for _ in names))
 
 
+def zero_axes_of(mesh: Mesh, zero_axes: Sequence[str] | None = None) -> tuple[str, ...]:
+    """The mesh axes ZeRO-3 shards parameters over, in the order given.
+
+    Args:
+      mesh: the mesh.
+      zero_axes: axis names (``ZeroConfig.zero_axes``); ``None``: every axis
+        not named ``data`` or ``tensor`` (every axis if there is no other).
+
+    Returns:
+      The axis names; shard indices run over them in row-major order.
+
+    Raises:
+      ConfigError: a name is not an axis of the mesh, or is given twice.
+    """
+    names = tuple(mesh.axis_names)
+    if zero_axes is None:
+        return tuple(a for a in names if a not in REPLICA_AXES) or names
+    axes = tuple(zero_axes)
+    bad = [a for a in axes if a not in names]
+    if bad or len(set(axes)) != len(axes):
+        what = f"{', '.join(map(repr, bad))} not an axis of the mesh" if bad else "an axis named twice"
+        detail = f"{what}; the mesh's axes are {names}, got {axes}"
+        raise ConfigError(f"ZeroConfig.zero_axes: {detail}", field="zero_axes", detail=detail)
+    return axes
+
+
+def batch_axes_of(mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes a batch's leading dimension is split over: all but ``tensor``, in mesh order."""
+    return tuple(a for a in mesh.axis_names if a not in MODEL_AXES)
+
+
+def _axes_entry(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
+    """A PartitionSpec entry for ``axes``: one name alone, several as a tuple, none as ``None``."""
+    return axes[0] if len(axes) == 1 else (axes or None)
+
+
 def batch_spec(mesh: Mesh, ndim: int = 1) -> P:
-    """PartitionSpec that splits a batch's leading dimension over the data-parallel axes."""
-    axes = tuple(a for a in ("data", FSDP) if a in mesh.axis_names)
-    return P(axes if len(axes) > 1 else axes[0], *([None] * (ndim - 1)))
+    """PartitionSpec that splits a batch's leading dimension over :func:`batch_axes_of`."""
+    return P(_axes_entry(batch_axes_of(mesh)), *([None] * (ndim - 1)))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -99,7 +148,8 @@ class ParamLayout:
       dtype: its dtype name.
       kind: ``"sharded"``, ``"flat"`` (padded and flattened) or ``"persistent"``.
       dim: the sharded dimension of the stored array (``None`` when persistent).
-      num_shards: shard count (the ``fsdp`` axis size; 1 when persistent).
+      num_shards: shard count (the product of the zero axes' sizes; 1 when persistent).
+      axes: the mesh axes the sharded dimension is split over (:func:`zero_axes_of`).
     """
 
     path: str
@@ -108,6 +158,7 @@ class ParamLayout:
     kind: str
     dim: int | None
     num_shards: int
+    axes: tuple[str, ...] = (FSDP,)
 
     @property
     def size(self) -> int:
@@ -134,7 +185,7 @@ class ParamLayout:
         """PartitionSpec of the stored array."""
         if self.dim is None:
             return P()
-        return P(*([None] * self.dim), FSDP)
+        return P(*([None] * self.dim), _axes_entry(self.axes))
 
     def bytes_per_device(self, dtype: Any = None) -> int:
         """Bytes of one shard in ``dtype`` (default: the parameter's own)."""
@@ -142,24 +193,49 @@ class ParamLayout:
         return math.prod(self.shard_shape) * item
 
 
+Hint = int | tuple[str | tuple[str, ...] | None, ...]
+"""A layout hint: the dimension to shard first, or the mesh axes of each dimension (a PartitionSpec)."""
+
+
+def _hint_dim(hint: Hint | None, axes: tuple[str, ...]) -> int | None:
+    """The dimension a hint asks to shard first: itself, or the first one mapped to one of ``axes``."""
+    if hint is None or isinstance(hint, int):
+        return hint
+    for i, ax in enumerate(hint):
+        if any(a in axes for a in ((ax,) if isinstance(ax, str) else ax or ())):
+            return i
+    return None
+
+
 def plan_partition(
-    params: Mapping[str, Any], mesh: Mesh, persistence_threshold: int, hints: Mapping[str, int] | None = None
+    params: Mapping[str, Any],
+    mesh: Mesh,
+    persistence_threshold: int,
+    hints: Mapping[str, Hint] | None = None,
+    zero_axes: Sequence[str] | None = None,
 ) -> dict[str, ParamLayout]:
     """Decides the layout of every parameter.
 
     Args:
       params: flat mapping of path to anything with ``.shape`` and ``.dtype``
         (arrays or ``jax.ShapeDtypeStruct``).
-      mesh: the mesh; its ``fsdp`` axis size is the shard count.
+      mesh: the mesh.
       persistence_threshold: parameters with at most this many elements stay
         whole on every device.
-      hints: path to the dimension to shard first (from the model's own
-        partitioning annotations); used when it divides by the shard count.
+      hints: path to the dimension to shard first, or to the mesh axes of each
+        dimension (from the model's own partitioning annotations: the first
+        dimension mapped to a zero axis); used when it divides by the shard count.
+      zero_axes: the axes to shard over (see :func:`zero_axes_of`); the shard
+        count is the product of their sizes.
 
     Returns:
       Path to :class:`ParamLayout`, in the input's order.
+
+    Raises:
+      ConfigError: ``zero_axes`` names an axis the mesh does not have.
     """
-    n = mesh.shape[FSDP]
+    axes = zero_axes_of(mesh, zero_axes)
+    n = math.prod(mesh.shape[a] for a in axes)
     out = {}
     for path, leaf in params.items():
         shape = tuple(int(d) for d in leaf.shape)
@@ -169,14 +245,14 @@ def plan_partition(
             kind, dim = "persistent", None
         else:
             dims = sorted(range(len(shape)), key=lambda d: (-shape[d], d))
-            hint = (hints or {}).get(path)
+            hint = _hint_dim((hints or {}).get(path), axes)
             if hint is not None and 0 <= hint < len(shape):
                 dims.insert(0, dims.pop(dims.index(hint)))
             dim = next((d for d in dims if shape[d] % n == 0), None)
             kind = "sharded" if dim is not None else "flat"
             dim = 0 if dim is None else dim
         out[path] = ParamLayout(
-            path=path, shape=shape, dtype=dtype, kind=kind, dim=dim, num_shards=1 if dim is None else n
+            path=path, shape=shape, dtype=dtype, kind=kind, dim=dim, num_shards=1 if dim is None else n, axes=axes
         )
     return out
 
@@ -197,20 +273,37 @@ def from_stored(layout: ParamLayout, stored: Any) -> Any:
     return stored[: layout.size].reshape(layout.shape)
 
 
-def shard_index_of(mesh: Mesh, device: jax.Device) -> int:
-    """The device's coordinate on the ``fsdp`` axis (its shard index)."""
+def shard_index_of(mesh: Mesh, device: jax.Device, zero_axes: Sequence[str] | None = None) -> int:
+    """The device's shard index: its row-major coordinate over the zero axes.
+
+    Args:
+      mesh: the mesh.
+      device: a device of the mesh.
+      zero_axes: as for :func:`zero_axes_of`.
+
+    Raises:
+      ValueError: the device is not in the mesh.
+    """
     pos = np.argwhere(mesh.devices == device)
     if pos.size == 0:
         raise ValueError(f"{device} is not in the mesh")
-    return int(pos[0][mesh.axis_names.index(FSDP)])
+    axes = zero_axes_of(mesh, zero_axes)
+    coords = [int(pos[0][mesh.axis_names.index(a)]) for a in axes]
+    return int(np.ravel_multi_index(coords, [mesh.shape[a] for a in axes])) if axes else 0
 
 
-def local_shard_devices(mesh: Mesh) -> dict[int, list[jax.Device]]:
-    """Shard index to this process's devices that hold that shard."""
+def local_shard_devices(mesh: Mesh, zero_axes: Sequence[str] | None = None) -> dict[int, list[jax.Device]]:
+    """Shard index to this process's devices that hold that shard (its replicas, in mesh order).
+
+    Args:
+      mesh: the mesh.
+      zero_axes: as for :func:`zero_axes_of`.
+    """
+    axes = zero_axes_of(mesh, zero_axes)
     out: dict[int, list[jax.Device]] = {}
     for d in mesh.devices.flat:
         if d.process_index == jax.process_index():
-            out.setdefault(shard_index_of(mesh, d), []).append(d)
+            out.setdefault(shard_index_of(mesh, d, axes), []).append(d)
     return dict(sorted(out.items()))
 
 
@@ -229,7 +322,7 @@ def assemble(layout: ParamLayout, mesh: Mesh, shards: Mapping[int, Any], dtype: 
     """
     sharding = NamedSharding(mesh, layout.spec)
     arrays = []
-    for idx, devs in local_shard_devices(mesh).items():
+    for idx, devs in local_shard_devices(mesh, layout.axes).items():
         src = shards[0 if layout.dim is None else idx]
         if dtype is not None and src.dtype != dtype:
             src = src.astype(dtype)
@@ -245,7 +338,7 @@ def split_local(layout: ParamLayout, mesh: Mesh, array: jax.Array) -> dict[int, 
     """The inverse of :func:`assemble`: one single-device array per local shard index."""
     out = {}
     for s in array.addressable_shards:
-        idx = 0 if layout.dim is None else shard_index_of(mesh, s.device)
+        idx = 0 if layout.dim is None else shard_index_of(mesh, s.device, layout.axes)
         out.setdefault(idx, s.data)
     return dict(sorted(out.items()))
 

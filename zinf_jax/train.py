@@ -44,6 +44,7 @@ class TrainArgs:
       nvme_dir: directory of the nvme tiers (default ``<run_dir>/nvme``).
       param_device, optimizer_device: ``none`` / ``cpu`` / ``nvme`` tiers.
       save_every: checkpoint period in steps (0: only at the end and on Ctrl-C).
+      keep: keep the newest N checkpoints, deleting older ones after each save; 0 keeps all.
       resume: continue from the newest checkpoint in ``<run_dir>/ckpt``.
       config: a zinf config JSON (``ZeroConfig.to_dict`` form) overriding the tier flags.
       deepspeed_config: a DeepSpeed JSON config (stage 3) instead.
@@ -68,6 +69,7 @@ class TrainArgs:
     param_device: str = "nvme"
     optimizer_device: str = "nvme"
     save_every: int = 50
+    keep: int = 0
     resume: bool = False
     config: str | None = None
     deepspeed_config: str | None = None
@@ -169,6 +171,9 @@ def train(args: TrainArgs, *, out: TextIO | None = None) -> dict[str, Any]:
       ConfigError, TierError, CheckpointError: bad input, with a clear message.
     """
     out = out or sys.stderr
+    if args.keep < 0:
+        raise ValueError(f"--keep must be >= 0 (the newest checkpoints to keep; 0 keeps all), got {args.keep}")
+    keep = args.keep or None
     run = Path(args.run_dir)
     run.mkdir(parents=True, exist_ok=True)
     ckpt = run / "ckpt"
@@ -200,8 +205,8 @@ def train(args: TrainArgs, *, out: TextIO | None = None) -> dict[str, Any]:
             log.flush()
             bar.update(step + 1, m)
             if args.save_every and (step + 1) % args.save_every == 0:
-                engine.save(ckpt, user_state={"data_step": step + 1})
-        saved = engine.save(ckpt, user_state={"data_step": engine.step})
+                engine.save(ckpt, user_state={"data_step": step + 1}, max_to_keep=keep)
+        saved = engine.save(ckpt, user_state={"data_step": engine.step}, max_to_keep=keep)
     except BaseException:
         close_quietly(engine)  # releases the tier locks; the error raised here is the one to report
         raise

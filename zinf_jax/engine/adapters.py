@@ -70,7 +70,7 @@ class Adapter(Protocol):
     units: list[Any]
     glue_paths: list[str]
     abstract_params: dict[str, jax.ShapeDtypeStruct]
-    layout_hints: dict[str, int]
+    layout_hints: dict[str, Any]  # path -> dim to shard first, or the mesh axes of each dim (see plan_partition)
 
     def program_key(self, uid: int, method: str, train: bool) -> Hashable: ...
 
@@ -92,6 +92,8 @@ class Adapter(Protocol):
     def model_state(self, state: Any) -> Any: ...
 
     def structure(self, flat: dict[str, Any]) -> Any: ...
+
+    def select(self, which: Any) -> set[str]: ...
 
 
 # XLA's algebraic simplifier reassociates constant multiplies (x * sqrt2 * std), so a

@@ -18,6 +18,7 @@ import math
 from typing import Any, Callable, Sequence
 
 import jax
+import numpy as np
 
 from zinf_jax.engine.store import ParamStore
 from zinf_jax.sharding import to_stored
@@ -59,6 +60,7 @@ def init_unit_by_unit(
     on_param: Callable[[str, jax.Array], None] | None = None,
     metadata: dict | None = None,
     batch_bytes: int = INIT_BATCH_BYTES,
+    values: Callable[[Sequence[str]], list[np.ndarray]] | None = None,
 ) -> None:
     """Creates every parameter batch by batch of units and writes it to ``store``.
 
@@ -68,11 +70,18 @@ def init_unit_by_unit(
       on_param: called with ``(path, stored_fp32_array)`` for each parameter.
       metadata: committed with the store.
       batch_bytes: fp32 bytes one init program may create (see the module doc).
+      values: ``values(paths) -> host arrays``: given values (pretrained
+        weights, :class:`~zinf_jax.engine.pretrained.Pretrained`) instead of
+        the model's initialisers, read batch by batch too.
     """
     for group in param_batches(adapter, batch_bytes):
-        arrays: Sequence[jax.Array] = adapter.init_params(
-            group, lambda p, v: to_stored(store.layouts[p], v), [store.sharding(p) for p in group]
-        )
+        if values is None:
+            arrays: Sequence[jax.Array] = adapter.init_params(
+                group, lambda p, v: to_stored(store.layouts[p], v), [store.sharding(p) for p in group]
+            )
+        else:
+            arrays = [_place(to_stored(store.layouts[p], np.asarray(v, adapter.abstract_params[p].dtype)), store.sharding(p))
+                      for p, v in zip(group, values(group))]
         futures = []
         for path, arr in zip(group, arrays):
             futures += store.put_array(path, arr)
@@ -82,3 +91,8 @@ def init_unit_by_unit(
             f.result()
         del arrays
     store.commit(metadata)
+
+
+def _place(host: np.ndarray, sharding: Any) -> jax.Array:
+    """A host array as a global array with ``sharding``, each process placing only its own shards."""
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])

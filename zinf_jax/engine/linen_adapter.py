@@ -34,7 +34,6 @@ from flax.core import DenyList, meta
 from flax.core.scope import LazyRng
 
 from zinf_jax.engine.adapters import Hook, HookSlot, exact_jit_call
-from zinf_jax.sharding import FSDP
 from zinf_jax.units import Unit, UnitPolicy, nbytes_of, path_str, select_units
 
 __all__ = ["LinenAdapter"]
@@ -47,8 +46,12 @@ def _shape_of(x: Any) -> Any:
     return jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") and hasattr(x, "dtype") else x
 
 
-def _fsdp_dim(box: Any, rules: Any) -> int | None:
-    """The dimension a boxed parameter's axis names map to the ``fsdp`` mesh axis, if any."""
+def _mesh_axes(box: Any, rules: Any) -> tuple | None:
+    """The mesh axes of each dimension of a boxed parameter, if it names any.
+
+    Returned as a layout hint: :func:`zinf_jax.sharding.plan_partition` shards
+    first the dimension that maps to one of the zero axes.
+    """
     if isinstance(box, nn.LogicallyPartitioned):
         rules = rules or box.rules or nn.get_logical_axis_rules()
         if not rules:
@@ -58,10 +61,8 @@ def _fsdp_dim(box: Any, rules: Any) -> int | None:
         spec = box.names
     else:
         return None
-    for i, ax in enumerate(spec or ()):
-        if ax == FSDP or (isinstance(ax, tuple) and FSDP in ax):
-            return i
-    return None
+    spec = tuple(spec or ())
+    return spec if any(ax is not None for ax in spec) else None
 
 
 def _merge_sown(old: Any, new: Any) -> Any:
@@ -111,8 +112,8 @@ class LinenAdapter:
         self._boxes = {path_str(p): v for p, v in boxed.items() if isinstance(v, meta.AxisMetadata)}
         flat = {p: meta.unbox(v) for p, v in boxed.items()}
         self.abstract_params = {path_str(p): jax.ShapeDtypeStruct(v.shape, v.dtype) for p, v in flat.items()}
-        self.layout_hints = {p: d for p, b in self._boxes.items()
-                             if (d := _fsdp_dim(b, logical_axis_rules)) is not None}
+        self.layout_hints = {p: axes for p, b in self._boxes.items()
+                             if (axes := _mesh_axes(b, logical_axis_rules)) is not None}
         self._state_abstract = {c: meta.unbox(v) for c, v in variables.items() if c != "params" and c not in TRANSIENT}
         sizes = {p: int(v.size) for p, v in flat.items()}
         modules = {p: seen[p] for p in sorted(seen, key=len)}
@@ -269,6 +270,12 @@ class LinenAdapter:
     def model_state(self, state: Any) -> dict:
         """The kept collections (``{"batch_stats": ...}``), as ``apply`` takes them."""
         return dict(state)
+
+    def select(self, which: Any) -> set[str]:
+        """Paths of the parameters a predicate on the ``/``-joined path selects (``lambda p: "lora" in p``)."""
+        if not callable(which):
+            raise TypeError(f"Linen trainable= takes a predicate on the parameter path (str -> bool), got {which!r}")
+        return {p for p in self.abstract_params if which(p)}
 
     def structure(self, flat: dict[str, Any]) -> dict:
         """Path -> value as the Linen params dict, boxed parameters boxed again."""

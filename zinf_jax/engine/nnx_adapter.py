@@ -316,6 +316,12 @@ class NnxAdapter:
             _set(model, up, unit)
         return nnx.state(model, nnx.Not(nnx.Param))
 
+    def select(self, which: Any) -> set[str]:
+        """Paths of the parameters an NNX filter selects (``nnx.LoRAParam``, a path predicate, ...)."""
+        pred = nnx.filterlib.to_predicate(which)
+        abstract = nnx.eval_shape(self.constructor)
+        return {path_str(p) for p, v in nnx.iter_graph(abstract) if isinstance(v, nnx.Param) and pred(p, v)}
+
     def structure(self, flat: dict[str, Any]) -> nnx.State:
         """Path -> value as an ``nnx.State`` shaped like the model's params."""
         st = nnx.state(nnx.eval_shape(self.constructor), nnx.Param)

@@ -22,9 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from zinf_jax.engine.adapters import EngineError
 from zinf_jax.sharding import ParamLayout, from_stored
 
-__all__ = ["UnitPrograms", "UnitFn", "Penalty", "split_diff"]
+__all__ = ["UnitPrograms", "UnitFn", "Penalty", "split_diff", "split_inputs", "join_inputs"]
 
 UnitFn = Callable[[list[jax.Array], list[Any]], Any]
 """``(full_params, dyn_inputs) -> outputs``: a unit call as a pure function of its array inputs."""
@@ -36,6 +37,47 @@ Penalty = Callable[[list[jax.Array]], jax.Array]
 def split_diff(leaves: Sequence[Any]) -> list[int]:
     """Indices of the leaves that are differentiable (inexact dtypes)."""
     return [i for i, x in enumerate(leaves) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.core.Tracer))
+
+
+def split_inputs(where: str, inputs: Any) -> tuple[list[Any], tuple[Any, tuple[tuple[int, Any], ...]]]:
+    """Array leaves of a unit call's inputs, and the rest as a static (hashable) signature.
+
+    Arrays (and pytrees of arrays: masks, positions, caches, RNG state) are
+    program inputs; Python values (``train=True``, ``num_heads``, strings) are
+    static and select program variants, as they would under ``jax.jit``.
+    """
+    leaves, treedef = jax.tree.flatten(inputs)
+    fixed = tuple((i, v) for i, v in enumerate(leaves) if not _is_array(v))
+    try:
+        hash((treedef, fixed))
+    except TypeError:
+        bad = next(v for _, v in fixed if not _hashable(v))
+        raise EngineError(
+            f"unit call {where}: an argument of type {type(bad).__name__} is neither an array nor hashable; "
+            "pass arrays (or pytrees of arrays) and hashable Python values (bool, int, float, str, tuples)"
+        ) from None
+    return [v for v in leaves if _is_array(v)], (treedef, fixed)
+
+
+def _hashable(v: Any) -> bool:
+    try:
+        hash(v)
+    except TypeError:
+        return False
+    return True
+
+
+def join_inputs(sig: tuple[Any, tuple[tuple[int, Any], ...]], dyn: Sequence[Any]) -> Any:
+    """Inverse of :func:`split_inputs`: the call's inputs from its signature and array leaves."""
+    treedef, fixed = sig
+    leaves = list(dyn)
+    for pos, value in fixed:
+        leaves.insert(pos, value)
+    return jax.tree.unflatten(treedef, leaves)
 
 
 class UnitPrograms:
@@ -85,14 +127,17 @@ class UnitPrograms:
         return prog
 
     def backward(self, key: Hashable, layouts: Sequence[ParamLayout], fn: UnitFn,
-                 penalty: Penalty | None = None) -> Callable:
+                 penalty: Penalty | None = None, trainable: Sequence[bool] | None = None) -> Callable:
         """``(stored, dyn, g, scale) -> (param_grads_f32, diff_input_grads)``, jitted once per key.
 
         ``g`` holds the cotangents of the inexact output leaves only (the others
         are integer state such as RNG counters); ``scale`` multiplies the
         penalty's gradient (the loss scale the backward pass was seeded with).
+        Parameters that ``trainable`` marks False (frozen) are not differentiated
+        at all: their gradient is ``None``, like that of an integer parameter.
         """
-        key = (key, penalty is not None)
+        trainable = tuple(True for _ in layouts) if trainable is None else tuple(trainable)
+        key = (key, penalty is not None, trainable)
         prog = self._bwd.get(key)
         if prog is None:
             layouts = tuple(layouts)
@@ -102,26 +147,32 @@ class UnitPrograms:
                 diff = split_diff(dyn)
                 floating = [jnp.issubdtype(p.dtype, jnp.floating) for p in stored]
                 p32 = [p.astype(jnp.float32) if f else p for p, f in zip(stored, floating)]
+                wrt = [i for i, (fl, t) in enumerate(zip(floating, trainable)) if fl and t]
+
+                def with_params(ps):
+                    full = list(p32)
+                    for i, x in zip(wrt, ps):
+                        full[i] = x
+                    return full
 
                 def f(ps, dleaves):
                     ls = list(dyn)
                     for i, d in zip(diff, dleaves):
                         ls[i] = d
-                    return fn(self._gather(layouts, ps), ls)
+                    return fn(self._gather(layouts, with_params(ps)), ls)
 
-                out, vjp = jax.vjp(f, p32, [dyn[i] for i in diff])
+                out, vjp = jax.vjp(f, [p32[i] for i in wrt], [dyn[i] for i in diff])
                 outs, tree = jax.tree.flatten(out)
                 it = iter(g)
                 cts = [next(it) if jnp.issubdtype(o.dtype, jnp.inexact) else np.zeros(o.shape, jax.dtypes.float0)
                        for o in outs]
-                gp, gd = vjp(jax.tree.unflatten(tree, cts))
+                gw, gd = vjp(jax.tree.unflatten(tree, cts))
                 if penalty is not None:
-                    gpen = jax.grad(lambda ps: penalty(self._full32(layouts, ps)))(p32)
-                    gp = [a + b * scale if fl else a for a, b, fl in zip(gp, gpen, floating)]
-                gp = [
-                    jax.lax.with_sharding_constraint(x.astype(jnp.float32), s) if fl else None
-                    for x, s, fl in zip(gp, shardings, floating)
-                ]
+                    gpen = jax.grad(lambda ps: penalty(self._full32(layouts, with_params(ps))))([p32[i] for i in wrt])
+                    gw = [a + b * scale for a, b in zip(gw, gpen)]
+                gp: list[Any] = [None] * len(layouts)
+                for i, x in zip(wrt, gw):
+                    gp[i] = jax.lax.with_sharding_constraint(x.astype(jnp.float32), shardings[i])
                 return gp, gd
 
             prog = self._bwd[key] = jax.jit(run)

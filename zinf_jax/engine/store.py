@@ -2,7 +2,7 @@
 
 Each parameter is kept in its *stored form* (see :mod:`zinf_jax.sharding`) and
 in the compute dtype, one tier key per parameter, one tier shard per shard of
-the ``fsdp`` axis that this process owns. :meth:`ParamStore.fetch` turns the
+the zero axes that this process owns. :meth:`ParamStore.fetch` turns the
 shards of a unit back into sharded device arrays (the "bandwidth-centric" read:
 every process reads only its own shards; the all-gather happens later, inside
 the compiled unit program).
@@ -42,7 +42,7 @@ class ParamStore:
         self.layouts = dict(layouts)
         self.mesh = mesh
         self.compute_dtype = compute_dtype
-        self._local = list(local_shard_devices(mesh))
+        self._local = list(local_shard_devices(mesh, next((lay.axes for lay in self.layouts.values()), None)))
         for path, lay in self.layouts.items():
             spec = ShardSpec(shard_shape=lay.shard_shape, dtype=self.dtype_of(path), num_shards=lay.num_shards)
             try:

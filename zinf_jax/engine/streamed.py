@@ -27,7 +27,7 @@ import dataclasses
 import enum
 import functools
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from zinf_jax.engine.adapters import EngineError
 from zinf_jax.engine.grads import GradSink
 from zinf_jax.engine.prefetch import Prefetcher
-from zinf_jax.engine.programs import Penalty, UnitPrograms, split_diff
+from zinf_jax.engine.programs import Penalty, UnitPrograms, join_inputs, split_diff, split_inputs
 from zinf_jax.engine.store import ParamStore
 from zinf_jax.units import Plan
 
@@ -98,46 +98,6 @@ def _nbytes_on_devices(tree: Any) -> int:
     return total
 
 
-def _is_array(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.core.Tracer))
-
-
-def _split_inputs(where: str, inputs: Any) -> tuple[list[Any], tuple[Any, tuple[tuple[int, Any], ...]]]:
-    """Array leaves of a unit call's inputs, and the rest as a static (hashable) signature.
-
-    Arrays (and pytrees of arrays: masks, positions, caches, RNG state) are
-    program inputs; Python values (``train=True``, ``num_heads``, strings) are
-    static and select program variants, as they would under ``jax.jit``.
-    """
-    leaves, treedef = jax.tree.flatten(inputs)
-    fixed = tuple((i, v) for i, v in enumerate(leaves) if not _is_array(v))
-    try:
-        hash((treedef, fixed))
-    except TypeError:
-        bad = next(v for _, v in fixed if not _hashable(v))
-        raise EngineError(
-            f"unit call {where}: an argument of type {type(bad).__name__} is neither an array nor hashable; "
-            "pass arrays (or pytrees of arrays) and hashable Python values (bool, int, float, str, tuples)"
-        ) from None
-    return [v for v in leaves if _is_array(v)], (treedef, fixed)
-
-
-def _hashable(v: Any) -> bool:
-    try:
-        hash(v)
-    except TypeError:
-        return False
-    return True
-
-
-def _join_inputs(sig: tuple[Any, tuple[tuple[int, Any], ...]], dyn: Sequence[Any]) -> Any:
-    treedef, fixed = sig
-    leaves = list(dyn)
-    for pos, value in fixed:
-        leaves.insert(pos, value)
-    return jax.tree.unflatten(treedef, leaves)
-
-
 class StreamedModel:
     """Runs a wrapped model's loss with streamed units.
 
@@ -151,6 +111,8 @@ class StreamedModel:
         call (slow; for tests and benchmarks).
       param_loss: a per-parameter loss term added to the training loss, applied
         unit by unit where each unit's parameters are gathered anyway.
+      trainable: paths of the parameters to differentiate (``None``: all);
+        the others (frozen) are gathered and used but get no gradient.
     """
 
     def __init__(
@@ -163,6 +125,7 @@ class StreamedModel:
         offload_activations: bool = False,
         track_live_arrays: bool = False,
         param_loss: ParamLoss | None = None,
+        trainable: Collection[str] | None = None,
     ):
         self.adapter = adapter
         self.store = store
@@ -171,6 +134,7 @@ class StreamedModel:
         self.sink = GradSink(store.layouts, store.mesh)
         self.units = adapter.units
         self._layouts = [[store.layouts[p] for p in u.param_paths] for u in self.units]
+        self._trainable = [tuple(trainable is None or p in trainable for p in u.param_paths) for u in self.units]
         self._unit_bytes = [store.nbytes(u.param_paths) for u in self.units]
         self._gathered = [
             sum(l.size * jnp.dtype(store.dtype_of(l.path)).itemsize for l in lays) * len(self.mesh.devices.flat)
@@ -222,13 +186,18 @@ class StreamedModel:
         return self.plan
 
     def forward_backward(
-        self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array], *, has_aux: bool, loss_scale: float = 1.0
+        self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array], *, has_aux: bool, loss_scale: float = 1.0,
+        accumulate: bool = False,
     ) -> tuple[jax.Array, Any, list[jax.Array]]:
         """Loss, aux and glue-parameter gradients; unit gradients go to :attr:`sink`.
 
-        The backward pass is seeded with ``loss_scale`` (float16 loss scaling).
-        The model's non-parameter state (RNG counters, batch statistics) advances.
+        The backward pass is seeded with ``loss_scale`` (float16 loss scaling,
+        divided by the micro-batch count under gradient accumulation). The
+        model's non-parameter state (RNG counters, batch statistics) advances.
+        ``accumulate`` adds to the gradients the sink holds instead of clearing it.
         """
+        if not accumulate:
+            self.sink.clear()
         p = self._begin(loss_fn, batch, glue, _Pass(Phase.TRAIN, train=True, loss_scale=loss_scale))
         try:
             def f(g, anchor):
@@ -273,7 +242,6 @@ class StreamedModel:
             raise EngineError(_JIT_MSG)
         if self.plan is None:
             self.make_plan(loss_fn, batch, glue)
-        self.sink.clear()
         self.prefetcher.start(self.plan.schedule(p.phase is Phase.TRAIN))
         self._pass = p
         return p
@@ -295,7 +263,7 @@ class StreamedModel:
         """Every wrapped unit call of a pass arrives here (the adapter's hook)."""
         if self._pass is not p:
             raise EngineError("a unit of the wrapped model was called outside engine.train_step/eval_step")
-        dyn, sig = _split_inputs(f"{self.units[uid].path}.{method}", inputs)
+        dyn, sig = split_inputs(f"{self.units[uid].path}.{method}", inputs)
         if p.phase is Phase.PLAN:
             p.calls.append((uid, method))
             full = [jax.ShapeDtypeStruct(l.shape, self.store.dtype_of(l.path)) for l in self._layouts[uid]]
@@ -328,7 +296,7 @@ class StreamedModel:
     def _unit_fn(self, uid: int, method: str, sig: tuple, train: bool) -> Callable:
         """The adapter's unit function of the array inputs, with the static leaves put back."""
         fn = self.adapter.unit_fn(uid, method, train)
-        return lambda full, dyn: fn(full, _join_inputs(sig, dyn))
+        return lambda full, dyn: fn(full, join_inputs(sig, dyn))
 
     def _key(self, uid: int, method: str, sig: tuple, train: bool) -> tuple:
         lays = tuple((l.kind, l.shape, l.dtype, l.dim, l.num_shards) for l in self._layouts[uid])
@@ -364,7 +332,8 @@ class StreamedModel:
         dyn = self._unpark(parked)
         stored = self.prefetcher.take((uid, method))
         fn = self._unit_fn(uid, method, sig, p.train)
-        prog = self.programs.backward(self._key(uid, method, sig, p.train), self._layouts[uid], fn, penalty)
+        prog = self.programs.backward(self._key(uid, method, sig, p.train), self._layouts[uid], fn, penalty,
+                                      self._trainable[uid])
         self._account(uid)
         g = [x for x in jax.tree.leaves(g) if x.dtype != jax.dtypes.float0]
         gp, gd = prog(stored, dyn, g, np.float32(p.loss_scale))

@@ -4,7 +4,9 @@
 one step to one float32 shard in place (fused numba kernel, pure-JAX fallback);
 :mod:`~zinf_jax.optim.scaling` turns one reduction pass over the gradient into
 the clipping/unscaling multiplier, the non-finite skip and the loss-scale update;
-:class:`~zinf_jax.optim.driver.StreamedAdam` streams the state through a tier.
+:class:`~zinf_jax.optim.driver.StreamedOptimizer` streams the state through a tier, applying an
+update rule per sub-group (:mod:`~zinf_jax.optim.rules`: the fused Adam, or any element-wise optax
+transform).
 """
 
 from zinf_jax.optim.adam import (
@@ -19,7 +21,8 @@ from zinf_jax.optim.adam import (
     bias_correction,
     default_decay_mask,
 )
-from zinf_jax.optim.driver import StreamedAdam
+from zinf_jax.optim.driver import StreamedAdam, StreamedOptimizer
+from zinf_jax.optim.rules import AdamRule, UpdateRule
 from zinf_jax.optim.kernel import NUMBA_AVAILABLE, AdamCoefficients, warmup
 from zinf_jax.optim.scaling import (
     GradScale,
@@ -41,6 +44,9 @@ __all__ = [
     "NUMBA_AVAILABLE",
     "Schedule",
     "StreamedAdam",
+    "StreamedOptimizer",
+    "AdamRule",
+    "UpdateRule",
     "adam",
     "adam_coefficients",
     "adam_update_shard",

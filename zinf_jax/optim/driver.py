@@ -1,24 +1,26 @@
-"""The streaming driver of the CPU Adam: sub-groups of optimizer state through a tier.
+"""The streaming driver of the CPU optimizer: sub-groups of optimizer state through a tier.
 
-Float32 master weights and both Adam moments live in a storage tier (host RAM
-or NVMe), sharded exactly like the parameters. Every shard is cut into chunks
-of at most ``sub_group_size`` elements; one *sub-group* is one
-``(path, shard, chunk)`` triple across the three keys ``master/<path>``,
-``m/<path>`` and ``v/<path>``; the chunks of a shard are near-equal
-(:func:`sub_groups`). Tier index of chunk ``c`` of shard ``i`` is
-``i * n_chunks + c``; the last chunk is zero-padded (only the valid part is
-ever updated).
+Float32 master weights and the update rule's per-element states (Adam: both
+moments ``m`` and ``v``; an optax transform: its moment-like leaves, see
+:mod:`zinf_jax.optim.rules`) live in a storage tier (host RAM or NVMe),
+sharded exactly like the parameters. Every shard is cut into chunks of at
+most ``sub_group_size`` elements; one *sub-group* is one ``(path, shard,
+chunk)`` triple across the keys ``master/<path>``, ``m/<path>``, ...; the
+chunks of a shard are near-equal (:func:`sub_groups`). Tier index of chunk
+``c`` of shard ``i`` is ``i * n_chunks + c``; the last chunk is zero-padded
+(only the valid part is ever used).
 
-:meth:`StreamedAdam.step` makes one reduction pass over the gradient (global
-norm, non-finite check), then streams the sub-groups through a pool of at most
-``buffer_count`` buffer sets: reads run ahead into free buffers while the
-current sub-group is updated and earlier ones are written back, so the disk is
-kept busy and the Adam kernel hides behind the I/O (DeepSpeed's pipelined
-NVMe optimizer: read(i+1) || Adam(i) || write(i-1)). The pool persists across
-steps (fresh buffers cost page faults): it holds ``buffer_count * min(largest
-shard, sub_group_size) * 12`` bytes, plus one multi-chunk shard (4 B/element)
-assembled for ``write_param``. The buffers are page-aligned: the NVMe tier
-reads and writes them with direct I/O, holding no copy of its own.
+:meth:`StreamedOptimizer.step` makes one reduction pass over the gradient
+(global norm, non-finite check), then streams the sub-groups through a pool of
+at most ``buffer_count`` buffer sets: reads run ahead into free buffers while
+the current sub-group is updated and earlier ones are written back, so the
+disk is kept busy and the update hides behind the I/O (DeepSpeed's pipelined
+NVMe optimizer: read(i+1) || update(i) || write(i-1)). The pool persists
+across steps (fresh buffers cost page faults): it holds ``buffer_count *
+min(largest shard, sub_group_size) * 4 * (1 + states)`` bytes (12 B/element
+for Adam), plus one multi-chunk shard (4 B/element) assembled for
+``write_param``. The buffers are page-aligned: the NVMe tier reads and writes
+them with direct I/O, holding no copy of its own.
 """
 from __future__ import annotations
 
@@ -31,8 +33,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 
-from zinf_jax.optim.adam import AdamSpec, adam_update_shard
 from zinf_jax.optim.kernel import all_finite, sum_squares
+from zinf_jax.optim.rules import UpdateRule, make_rule
 from zinf_jax.optim.scaling import LossScaler, grad_scale, init_loss_scale, update_loss_scale
 from zinf_jax.tiers.base import ShardSpec, Tier
 from zinf_jax.tiers.direct import aligned_empty
@@ -41,9 +43,8 @@ if TYPE_CHECKING:
     from zinf_jax.config import LossScaleConfig
     from zinf_jax.sharding import ParamLayout
 
-__all__ = ["StreamedAdam", "STATES", "METADATA_KEY"]
+__all__ = ["StreamedOptimizer", "StreamedAdam", "METADATA_KEY"]
 
-STATES = ("master", "m", "v")  # the three keys of a parameter in the tier: f"{state}/{path}"
 METADATA_KEY = "streamed_adam"  # the optimizer's own counters in the tier metadata
 
 
@@ -71,10 +72,10 @@ def sub_groups(numel: int, sub_group_size: int) -> tuple[int, int]:
 
 
 class _BufferSet:
-    """float32 buffers for one sub-group (master, m, v) and the futures still using them."""
+    """float32 buffers for one sub-group (master and the rule's states) and the futures still using them."""
 
-    def __init__(self, size: int):
-        self.arrays = tuple(aligned_empty(4 * size).view(np.float32) for _ in STATES)
+    def __init__(self, size: int, count: int):
+        self.arrays = tuple(aligned_empty(4 * size).view(np.float32) for _ in range(count))
         self.pending: list[Future] = []
 
 
@@ -103,11 +104,13 @@ def _wait(futures: list, quiet: bool = False) -> None:
                 raise
 
 
-class StreamedAdam:
-    """Adam(W) over optimizer state kept in a tier, streamed sub-group by sub-group.
+class StreamedOptimizer:
+    """An optimizer over state kept in a tier, streamed sub-group by sub-group.
 
     Args:
-      spec: hyper-parameters (:func:`~zinf_jax.optim.adamw` / :func:`~zinf_jax.optim.adam`).
+      spec: :func:`~zinf_jax.optim.adamw` / :func:`~zinf_jax.optim.adam` (the
+        fused kernel), or an element-wise optax ``GradientTransformation``
+        (see :mod:`zinf_jax.optim.optax_rule`).
       tier: where master weights and moments live (``CpuTier(memory="numpy")`` or ``NvmeTier``).
       layouts: parameter path to its :class:`~zinf_jax.sharding.ParamLayout`.
       local_indices: shard indices of a parameter that this process stores.
@@ -118,7 +121,7 @@ class StreamedAdam:
       allreduce: sums a float across processes (identity in a single process).
     """
 
-    def __init__(self, spec: AdamSpec, tier: Tier, layouts: Mapping[str, ParamLayout], *,
+    def __init__(self, spec: Any, tier: Tier, layouts: Mapping[str, ParamLayout], *,
                  local_indices: Callable[[str], list[int]],
                  owner: Callable[[str, int], bool] = lambda p, i: True,
                  sub_group_size: int, buffer_count: int = 4,
@@ -147,6 +150,9 @@ class StreamedAdam:
                 for c in range(n):
                     self._groups.append(_Group(path, i, c, c * chunk, min(chunk, numel - c * chunk), n, i * n + c))
         self._max_chunk = max(self._chunk.values(), default=1)
+        self.rule: UpdateRule = make_rule(spec, self.layouts, self._chunk)
+        self._names = {path: ("master", *self.rule.state_names(path)) for path in self.layouts}
+        self._n_arrays = max((len(v) for v in self._names.values()), default=1)
         self._sets: list[_BufferSet] = []  # the pool, kept across steps (fresh buffers cost page faults)
         self._free: collections.deque[_BufferSet] = collections.deque()
         self._live = 0
@@ -160,13 +166,17 @@ class StreamedAdam:
 
     # --- layout -------------------------------------------------------------
     def declare(self) -> None:
-        """Declares ``master/<path>``, ``m/<path>`` and ``v/<path>`` in the tier (once, before init or restore)."""
+        """Declares ``master/<path>`` and the rule's states (Adam: ``m/<path>``, ``v/<path>``) in the tier."""
         for path, lay in self.layouts.items():
             n = self._nch[path]
             spec = ShardSpec(shard_shape=(self._chunk[path],), dtype="float32", num_shards=lay.num_shards * n)
             local = [i * n + c for i in self._local[path] for c in range(n)]
-            for s in STATES:
+            for s in self._names[path]:
                 self.tier.declare(f"{s}/{path}", spec, local)
+
+    def state_names(self, path: str) -> tuple[str, ...]:
+        """The tier states of ``path``: ``"master"`` and the rule's (``"m"``, ``"v"`` for Adam)."""
+        return self._names[path]
 
     def _zero_buffer(self) -> np.ndarray:
         if self._zeros is None:  # calloc: pages never written cost no RAM; read-only as a guard
@@ -197,7 +207,9 @@ class StreamedAdam:
             if part.shape[0] < chunk:
                 part = np.concatenate([part, zeros[part.shape[0]:]])
             futs.append(self.tier.put(f"master/{path}", index * n + c, part))
-            futs += [self.tier.put(f"{s}/{path}", index * n + c, zeros) for s in ("m", "v")]
+            states = self.rule.init_states(path, part)
+            for k, s in enumerate(self._names[path][1:]):
+                futs.append(self.tier.put(f"{s}/{path}", index * n + c, zeros if states is None else states[k]))
             if len(futs) >= 3 * self.buffer_count:  # bound the caller-visible memory in flight
                 futs.pop(0).result()
         for f in futs:
@@ -205,12 +217,24 @@ class StreamedAdam:
 
     def read_master(self, path: str, index: int) -> np.ndarray:
         """The float32 master shard (stored form, ``layout.shard_shape``) as currently stored."""
+        return self.read_state(path, index, "master")
+
+    def read_state(self, path: str, index: int, name: str) -> np.ndarray:
+        """One state (``master``, ``m``, ...) of one shard, float32 in stored form, as currently stored."""
         numel, chunk, n = self._numel[path], self._chunk[path], self._nch[path]
         out = np.empty(n * chunk, np.float32)
-        futs = [self.tier.get(f"master/{path}", index * n + c, out=out[c * chunk:(c + 1) * chunk]) for c in range(n)]
+        futs = [self.tier.get(f"{name}/{path}", index * n + c, out=out[c * chunk:(c + 1) * chunk]) for c in range(n)]
         for f in futs:
             f.result()
         return out[:numel].reshape(self.layouts[path].shard_shape)
+
+    def write_state(self, path: str, index: int, name: str, value: np.ndarray) -> None:
+        """Writes one state of one shard (a checkpoint being restored), chunk by chunk."""
+        numel, chunk, n = self._numel[path], self._chunk[path], self._nch[path]
+        flat = np.zeros(n * chunk, np.float32)
+        flat[:numel] = np.asarray(value, np.float32).reshape(-1)
+        for f in [self.tier.put(f"{name}/{path}", index * n + c, flat[c * chunk:(c + 1) * chunk]) for c in range(n)]:
+            f.result()
 
     # --- state --------------------------------------------------------------
     @property
@@ -230,7 +254,8 @@ class StreamedAdam:
 
     def state_dict(self) -> dict[str, Any]:
         """The optimizer's own counters as JSON-ready data (what :meth:`commit` stores)."""
-        return {"count": self._count, "skipped": self._skipped, "loss_scaler": list(self._scaler)}
+        return {"count": self._count, "skipped": self._skipped, "loss_scaler": list(self._scaler),
+                "rule": self.rule.state_dict()}
 
     def commit(self, metadata: dict | None = None) -> None:
         """Commits the tier, its metadata extended by the optimizer's counters.
@@ -249,6 +274,7 @@ class StreamedAdam:
             return
         self._count, self._skipped = int(st["count"]), int(st["skipped"])
         self._scaler = LossScaler(*(t(x) for t, x in zip((float, int, int, int), st["loss_scaler"])))
+        self.rule.load_state_dict(st.get("rule", {}))
 
     # --- the step -------------------------------------------------------------
     def _as_f32(self, g: np.ndarray, start: int, stop: int) -> np.ndarray:
@@ -281,7 +307,7 @@ class StreamedAdam:
 
     def _take(self) -> _BufferSet:
         if not self._free and len(self._sets) < self.buffer_count:
-            self._sets.append(_BufferSet(self._max_chunk))
+            self._sets.append(_BufferSet(self._max_chunk, self._n_arrays))
             self._free.append(self._sets[-1])
         bs = self._free.popleft()
         self._live += 1
@@ -295,9 +321,9 @@ class StreamedAdam:
         self._free.append(bs)
 
     def _io(self, bs: _BufferSet, gr: _Group, read: bool) -> None:
-        """Reads or writes master, m and v of sub-group ``gr``; each future joins ``bs.pending`` at once."""
+        """Reads or writes every state of sub-group ``gr``; each future joins ``bs.pending`` at once."""
         size = self._chunk[gr.path]
-        for s, a in zip(STATES, bs.arrays):
+        for s, a in zip(self._names[gr.path], bs.arrays):
             key, buf = f"{s}/{gr.path}", a[:size]
             bs.pending.append(self.tier.get(key, gr.index, out=buf) if read else self.tier.put(key, gr.index, buf))
 
@@ -343,11 +369,17 @@ class StreamedAdam:
         pipe = _Pipe()
         try:
             self._fill(pipe, 0)
-            gs = grad_scale(self._norm_sq(grad), loss_scale=self._scaler.scale, clip_norm=self.spec.clip_norm)
+            gs = grad_scale(self._norm_sq(grad), loss_scale=self._scaler.scale, clip_norm=self.rule.clip_norm)
             stats = {"norm_s": time.perf_counter() - t0}
-            lr = float(self.spec.lr_at(self._count))
+            lr = self.rule.lr_at(self._count)
             if gs.finite:
-                stats.update(self._stream(pipe, grad, write_param, step=self._count + 1, lr=lr, mult=gs.multiplier))
+                try:
+                    stats.update(self._stream(pipe, grad, write_param, step=self._count + 1, lr=lr,
+                                              mult=gs.multiplier))
+                except BaseException:
+                    self.rule.end_step(applied=False)
+                    raise
+                self.rule.end_step(applied=True)
                 self._count += 1
             self._scaler = update_loss_scale(self._scaler, not gs.finite, **self._ls)
             self._skipped += not gs.finite
@@ -362,7 +394,7 @@ class StreamedAdam:
 
     def _stream(self, pipe: _Pipe, grad, write_param, *, step: int, lr: float, mult: np.float32) -> dict:
         t_read = t_adam = t_param = 0.0
-        cur_key, cur_grad, wd, sp = None, None, 0.0, self.spec
+        cur_key, cur_grad = None, None
         for j, gr in enumerate(self._groups):
             self._fill(pipe, j)
             bs = pipe.current = pipe.reads.popleft()
@@ -374,13 +406,14 @@ class StreamedAdam:
             if (gr.path, gr.shard) != cur_key:
                 cur_key, g = (gr.path, gr.shard), grad(gr.path, gr.shard)
                 cur_grad = None if g is None else np.asarray(g).reshape(-1)
-                wd = sp.decay_for(gr.path, self.layouts[gr.path].shape)
             t = time.perf_counter()
             sl = slice(gr.start, gr.start + gr.valid)
             g_part = self._zero_buffer()[:gr.valid] if cur_grad is None else self._as_f32(cur_grad, sl.start, sl.stop)
-            p, m, v = (a[:gr.valid] for a in bs.arrays)  # a padded tail stays zero: never touched
-            adam_update_shard(p, m, v, g_part, step=step, lr=lr, b1=sp.b1, b2=sp.b2, eps=sp.eps,
-                              weight_decay=wd, eps_root=sp.eps_root, grad_scale=mult)
+            size = self._chunk[gr.path]
+            arrays = [a[:size] for a in bs.arrays[:len(self._names[gr.path])]]
+            self.rule.update(gr.path, self.layouts[gr.path].shape, arrays, g_part, valid=gr.valid, step=step, lr=lr,
+                             mult=mult)
+            p = arrays[0][:gr.valid]
             t_adam += time.perf_counter() - t
             self._io(bs, gr, read=False)
 
@@ -411,3 +444,7 @@ class StreamedAdam:
         pipe.t_write += time.perf_counter() - t
         return {"read_wait_s": t_read, "write_wait_s": pipe.t_write, "adam_s": t_adam,
                 "write_param_s": t_param, "sub_groups": len(self._groups)}
+
+
+StreamedAdam = StreamedOptimizer
+"""The former name (Adam was the only rule)."""

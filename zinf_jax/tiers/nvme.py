@@ -126,6 +126,10 @@ class NvmeTier:
         self._futures: set[Future] = set()
         self._failed: list[TierError] = []  # write errors of this generation; commit refuses while any
         self._lock = threading.Lock()
+        self.bytes_written = 0
+        """Shard bytes handed to :meth:`put` since the tier was opened (what a step rewrites)."""
+        self.bytes_read = 0
+        """Shard bytes requested by :meth:`get` since the tier was opened."""
 
     # --- layout -------------------------------------------------------------
     @property
@@ -240,6 +244,7 @@ class NvmeTier:
                 slot = 1 - self._slot.get(key, 1)
                 self._pending_slot[key] = slot
             self._written.setdefault(key, set()).add(index)
+            self.bytes_written += arr.nbytes
         try:
             h = self._array(key, slot, fresh=fresh and (key, slot) not in self._handles)
         except TierError as err:
@@ -307,6 +312,8 @@ class NvmeTier:
                 f"{spec.shard_shape}, got {out.dtype} {out.shape}"
             )
         self.budget.acquire(spec.shard_nbytes)
+        with self._lock:
+            self.bytes_read += spec.shard_nbytes
         try:
             if spec.shard_nbytes < self._direct_min:
                 futs = [ts.array(out, copy=False, write=True).write(h[index]).commit]

@@ -1,0 +1,104 @@
+"""Update rules: what the streamed optimizer does to one sub-group.
+
+The driver (:mod:`zinf_jax.optim.driver`) moves sub-groups of the optimizer
+state between the tier and RAM and computes the global gradient norm; a *rule*
+says which per-element state a parameter has besides its float32 master copy
+and how one sub-group is updated. Two rules exist:
+
+* :class:`AdamRule`: Adam / AdamW from an :class:`~zinf_jax.optim.AdamSpec`,
+  the fused in-place kernel (the fast path);
+* :class:`~zinf_jax.optim.optax_rule.OptaxRule`: any element-wise optax
+  ``GradientTransformation``, run per sub-group on the host CPU backend.
+
+Every per-element state is stored as float32 chunks of the master's chunking,
+key ``f"{name}/{path}"`` in the optimizer tier.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Protocol, Sequence
+
+import numpy as np
+
+from zinf_jax.optim.adam import AdamSpec, adam_update_shard
+
+__all__ = ["UpdateRule", "AdamRule", "make_rule"]
+
+
+class UpdateRule(Protocol):
+    """What the driver needs from an update rule."""
+
+    clip_norm: float | None  # global-norm clipping the driver folds into the gradient multiplier
+
+    def state_names(self, path: str) -> tuple[str, ...]:
+        """Names of the per-element states of ``path`` besides ``"master"``."""
+
+    def init_states(self, path: str, master: np.ndarray) -> list[np.ndarray] | None:
+        """Initial states of one chunk (``None``: all zeros)."""
+
+    def lr_at(self, count: int) -> float | None:
+        """Learning rate of the step after ``count`` applied steps (``None`` if the rule has no single one)."""
+
+    def update(self, path: str, shape: tuple[int, ...], arrays: Sequence[np.ndarray], grad: np.ndarray, *,
+               valid: int, step: int, lr: float | None, mult: np.float32) -> None:
+        """Updates ``arrays`` (master then states, full padded chunks) in place from ``grad`` (``valid`` elements)."""
+
+    def end_step(self, applied: bool) -> None:
+        """The step is over (``applied`` False: skipped, nothing may change)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-ready scalar state (step counters of optax transforms)."""
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Inverse of :meth:`state_dict`."""
+
+
+class AdamRule:
+    """Adam(W) with the fused in-place kernel: states ``m`` and ``v``, initially zero."""
+
+    def __init__(self, spec: AdamSpec):
+        self.spec = spec
+        self.clip_norm = spec.clip_norm
+
+    def state_names(self, path: str) -> tuple[str, ...]:
+        return ("m", "v")
+
+    def init_states(self, path: str, master: np.ndarray) -> list[np.ndarray] | None:
+        return None
+
+    def lr_at(self, count: int) -> float | None:
+        return float(self.spec.lr_at(count))
+
+    def update(self, path: str, shape: tuple[int, ...], arrays: Sequence[np.ndarray], grad: np.ndarray, *,
+               valid: int, step: int, lr: float | None, mult: np.float32) -> None:
+        sp = self.spec
+        p, m, v = (a[:valid] for a in arrays)  # a padded tail stays zero: never touched
+        adam_update_shard(p, m, v, grad, step=step, lr=lr, b1=sp.b1, b2=sp.b2, eps=sp.eps,
+                          weight_decay=sp.decay_for(path, shape), eps_root=sp.eps_root, grad_scale=mult)
+
+    def end_step(self, applied: bool) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        pass
+
+
+def make_rule(optimizer: Any, layouts: Mapping[str, Any], chunks: Mapping[str, int]) -> UpdateRule:
+    """The rule for ``optimizer``: an :class:`AdamSpec` or an optax ``GradientTransformation``.
+
+    Raises:
+      TypeError: neither.
+      ValueError: an optax transform that is not element-wise.
+    """
+    if isinstance(optimizer, AdamSpec):
+        return AdamRule(optimizer)
+    import optax
+
+    if isinstance(optimizer, optax.GradientTransformation):
+        from zinf_jax.optim.optax_rule import OptaxRule
+
+        return OptaxRule(optimizer, layouts, chunks)
+    raise TypeError(f"optimizer= takes zinf_jax.adamw(...)/adam(...) or an element-wise optax "
+                    f"GradientTransformation, got {type(optimizer).__name__}")
