@@ -17,7 +17,7 @@ import pytest
 
 from zinf_jax.config import LossScaleConfig
 from zinf_jax.optim import StreamedAdam, adamw, default_decay_mask, init_loss_scale, update_loss_scale
-from zinf_jax.optim.driver import sub_groups
+from zinf_jax.optim.subgroups import sub_groups
 from zinf_jax.sharding import from_stored, make_mesh, plan_partition, to_stored
 from zinf_jax.tiers import CpuTier, NvmeTier
 

@@ -18,30 +18,22 @@ import flax.linen as nn
 import jax
 from flax import nnx
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
 from zinf_jax.config import ZeroConfig
+from zinf_jax.engine.batching import micro_batches, shard_batch
 from zinf_jax.engine.init import init_unit_by_unit
-from zinf_jax.engine.micro import micro_batches
 from zinf_jax.engine.pretrained import Pretrained
 from zinf_jax.engine.store import ParamStore
-from zinf_jax.engine.streamed import ParamLoss, StreamedModel
-from zinf_jax.engine.wrap import make_adapter
-from zinf_jax.optim import AdamSpec, StreamedAdam, adam, adamw
-from zinf_jax.sharding import ParamLayout, batch_spec, from_stored, make_mesh, plan_partition, split_local
+from zinf_jax.engine.streamed import JIT_MESSAGE, EngineError, ParamLoss, StreamedModel
+from zinf_jax.engine.wrap import make_adapter, trainable_paths
+from zinf_jax.optim import StreamedOptimizer
+from zinf_jax.optim.choose import choose_optimizer, loss_scaling, with_clipping
+from zinf_jax.sharding import ParamLayout, from_stored, make_mesh, plan_partition, split_local
 from zinf_jax.tiers import open_tier
 from zinf_jax.units import UnitPolicy
 
 __all__ = ["initialize", "restore", "Engine"]
-
-
-def _opt_from_config(config: ZeroConfig) -> AdamSpec:
-    o = config.optimizer
-    if o is None:
-        return adamw(1e-3, clip_norm=config.gradient_clipping or None)
-    make = adamw if o.name == "adamw" else adam
-    kw = {"weight_decay": o.weight_decay} if o.name == "adamw" else {}
-    return make(o.lr, o.b1, o.b2, o.eps, clip_norm=config.gradient_clipping or None, **kw)
 
 
 def _allreduce(x: float) -> float:
@@ -64,7 +56,7 @@ class Engine:
                  param_loss: ParamLoss | None = None, trainable: Any = None, params: Any = None):
         self.adapter, self.config, self.mesh, self.loss_fn, self.has_aux = adapter, config, mesh, loss_fn, has_aux
         self.optimizer_spec = optimizer
-        self.trainable: frozenset[str] = _trainable_paths(adapter, trainable)
+        self.trainable: frozenset[str] = trainable_paths(adapter, trainable)
         pretrained = None if params is None else Pretrained(params, adapter.abstract_params)
         self.compute_dtype = config.resolved_compute_dtype(jax.devices()[0].platform)
         self.layouts: dict[str, ParamLayout] = plan_partition(adapter.abstract_params, mesh, config.persistence_threshold,
@@ -75,16 +67,16 @@ class Engine:
             self.param_tier = open_tier(po.device, path=po.path, subdir="params", placement=placement,
                                         max_in_flight_bytes=config.max_in_flight_bytes, direct_io=po.direct_io)
             undo.callback(close_quietly, self.param_tier)
-            self.opt_tier = open_tier("cpu" if oo.device == "none" else oo.device, path=oo.path, subdir="optimizer",
+            self.opt_tier = open_tier(oo.device, path=oo.path, subdir="optimizer", placement=placement,
                                       host_memory="numpy", max_in_flight_bytes=config.max_in_flight_bytes,
                                       direct_io=oo.direct_io)
             undo.callback(close_quietly, self.opt_tier)
             self.store = ParamStore(self.param_tier, self.layouts, mesh, self.compute_dtype)
-            ls = config.loss_scale if (self.compute_dtype == "float16" or config.loss_scale.enabled) else None
-            self.optimizer = StreamedAdam(
-                optimizer, self.opt_tier, {p: l for p, l in self.layouts.items() if p in self.trainable},
+            self.optimizer = StreamedOptimizer(
+                with_clipping(optimizer, config.gradient_clipping), self.opt_tier, {p: l for p, l in self.layouts.items() if p in self.trainable},
                 local_indices=self.store.local_indices, owner=self._owner,
-                sub_group_size=config.sub_group_size, buffer_count=oo.buffer_count, loss_scale=ls, allreduce=_allreduce,
+                sub_group_size=config.sub_group_size, buffer_count=oo.buffer_count,
+                loss_scale=loss_scaling(config, self.compute_dtype), allreduce=_allreduce,
             )
             self.optimizer.declare()
             if init == "fresh":
@@ -104,6 +96,7 @@ class Engine:
             )
             undo.pop_all()
         self.user_state: dict[str, Any] = {}
+        self._closed = False
 
     # --- placement ----------------------------------------------------------------
     def _placement(self) -> Callable[[int], jax.Device]:
@@ -136,17 +129,7 @@ class Engine:
         Typed PRNG keys (``jax.random.key(step)``) are replicated, and NNX objects
         (an ``nnx.Rngs``) pass through as state.
         """
-        def put(x):
-            if nnx.graph.is_graph_node(x):  # an nnx.Rngs passed with the batch: state, not data
-                return x
-            if isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) and x.sharding.mesh == self.mesh:
-                return x
-            if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):  # a dropout key: every device
-                return jax.device_put(x, NamedSharding(self.mesh, P()))
-            x = np.asarray(x)
-            return jax.make_array_from_process_local_data(NamedSharding(self.mesh, batch_spec(self.mesh, x.ndim)), x)
-
-        return jax.tree.map(put, batch, is_leaf=nnx.graph.is_graph_node)
+        return shard_batch(batch, self.mesh)
 
     def train_step(self, batch: Any) -> dict[str, Any]:
         """One streamed forward/backward (per micro-batch) and one optimizer step.
@@ -163,23 +146,30 @@ class Engine:
 
         Raises:
           ValueError: the batch does not split into ``k`` micro-batches (before anything changes).
+          EngineError: after :meth:`close`, under an outer ``jax.jit``/``grad``, or a
+            ``loss_fn`` that returns a non-scalar: before any state changes.
         """
+        self._usable("train_step", batch)
         t0 = time.perf_counter()
         k = self.config.gradient_accumulation_steps
         parts = micro_batches(batch, k)  # before any state changes: a batch that does not split is refused
         glue = self.store.fetch(self.adapter.glue_paths)
         losses, auxes = [], []
-        for i, part in enumerate(parts):  # each backward seeded with scale / k: the sink sums the mean gradient
-            part = self.shard_batch(part)
-            loss, aux, g_glue = self.streamed.forward_backward(
-                self.loss_fn, part, glue, has_aux=self.has_aux, loss_scale=self.optimizer.loss_scale / k,
-                accumulate=i > 0,
-            )
-            for path, g in zip(self.adapter.glue_paths, g_glue):
-                if path in self.trainable:
-                    self.streamed.sink.add_local(path, 0, np.asarray(g.addressable_data(0), np.float32))  # replicated
-            losses.append(float(loss))
-            auxes.append(aux)
+        try:
+            for i, part in enumerate(parts):  # each backward seeded with scale / k: the sink sums the mean gradient
+                part = self.shard_batch(part)
+                loss, aux, g_glue = self.streamed.forward_backward(
+                    self.loss_fn, part, glue, has_aux=self.has_aux, loss_scale=self.optimizer.loss_scale / k,
+                    accumulate=i > 0,
+                )
+                for path, g in zip(self.adapter.glue_paths, g_glue):
+                    if path in self.trainable:  # replicated: one copy
+                        self.streamed.sink.add_local(path, 0, np.asarray(g.addressable_data(0), np.float32))
+                losses.append(float(loss))
+                auxes.append(aux)
+        except BaseException:
+            self.streamed.sink.clear()  # no half-accumulated gradient survives a failed step
+            raise
         loss = math.fsum(losses) / k
         aux = auxes[0] if k == 1 else auxes
         batch = part
@@ -223,6 +213,7 @@ class Engine:
             that returns accuracy as aux. Linen modules take their mode as a call
             argument: pass a loss that calls the model with it (``train=False``).
         """
+        self._usable("eval_step", batch)
         batch = self.shard_batch(batch)
         glue = self.store.fetch(self.adapter.glue_paths)
         return self.streamed.forward(loss_fn or self.loss_fn, batch, glue, has_aux=True)  # as the loss returns it
@@ -234,6 +225,7 @@ class Engine:
         Frozen parameters (see ``trainable``) have no master copy: their stored
         compute-dtype values are returned, as float32.
         """
+        self._usable("params")
         out = {}
         for path, lay in self.layouts.items():
             if path in self.trainable:
@@ -254,6 +246,7 @@ class Engine:
     def model_state(self) -> Any:
         """The model's non-parameter state (NNX: RNG keys and counts, ``BatchStat``; Linen: ``batch_stats``
         and other kept collections), as host arrays in the model's own structure."""
+        self._usable("model_state")
         host = jax.tree.map(lambda x: x if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else np.asarray(x),
                             self.streamed.state)
         return self.adapter.model_state(host)
@@ -267,10 +260,25 @@ class Engine:
         """
         from zinf_jax.checkpoint import save
 
+        self._usable("save")
         return save(self, directory, user_state=user_state, max_to_keep=max_to_keep)
 
+    def _usable(self, what: str, batch: Any = None) -> None:
+        """Refuses a call after :meth:`close` or under an outer transformation, before anything changes."""
+        if self._closed:
+            raise EngineError(f"engine.{what}() after engine.close(): its tiers (and their locks) are released; "
+                              "build a new engine (zinf.restore(...) from a checkpoint)")
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(batch, is_leaf=nnx.graph.is_graph_node)):
+            raise EngineError(JIT_MESSAGE)
+
     def close(self) -> None:
-        """Finishes I/O and releases the tiers (and their directory locks), all of them even if one fails."""
+        """Finishes I/O and releases the tiers (and their directory locks), all of them even if one fails.
+
+        Idempotent; every later call but ``close`` raises :class:`EngineError`.
+        """
+        if self._closed:
+            return
+        self._closed = True
         try:
             self.streamed.prefetcher.close()
         finally:
@@ -278,17 +286,6 @@ class Engine:
                 self.param_tier.close()
             finally:
                 self.opt_tier.close()
-
-
-def _trainable_paths(adapter: Any, trainable: Any) -> frozenset[str]:
-    """The paths ``trainable`` selects (all parameters when ``None``); selecting none is an error."""
-    if trainable is None:
-        return frozenset(adapter.abstract_params)
-    paths = frozenset(adapter.select(trainable))
-    if not paths:
-        raise ValueError(f"trainable={trainable!r} selects no parameter of the model; parameters are e.g. "
-                         f"{sorted(adapter.abstract_params)[:4]}")
-    return paths
 
 
 def close_quietly(closable: Any) -> None:
@@ -376,7 +373,7 @@ def _build(model: Any, *, config: ZeroConfig | None = None, mesh: Mesh | None = 
            unit_policy: UnitPolicy | None = None, logical_axis_rules: Any = None, **engine_kw: Any) -> Engine:
     config = config or ZeroConfig()
     mesh = mesh or make_mesh()
-    optimizer = optimizer or _opt_from_config(config)
+    optimizer = choose_optimizer(optimizer, config)
     adapter = make_adapter(model, policy=unit_policy, threshold=config.persistence_threshold, seed=config.seed,
                            init_args=init_args, init_kwargs=init_kwargs, logical_axis_rules=logical_axis_rules)
     return Engine(adapter=adapter, config=config, mesh=mesh, optimizer=optimizer, **engine_kw)

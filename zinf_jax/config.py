@@ -162,8 +162,8 @@ class LossScaleConfig:
     scale halves (not below ``min_scale``); after ``window`` clean steps it doubles.
     """
 
-    enabled: bool = _field(False, _as_other, *_BOOL)
-    """Scale the loss (and unscale the gradients) at all."""
+    enabled: bool | None = _field(None, _as_other, *_BOOL, optional=True)
+    """Scale the loss (and unscale the gradients) at all; ``None``: on exactly when the compute dtype is float16."""
     static_scale: float = _field(0.0, _as_float, *_NONNEG, ds="loss_scale")
     """A fixed scale; ``0`` selects dynamic scaling."""
     initial_scale_power: int = _field(16, _as_int, 0, ds="initial_scale_power")
@@ -207,7 +207,8 @@ class ZeroConfig:
     offload_param: Offload = _nested(Offload("none"), Offload)
     """Tier of the compute-dtype parameter shards between uses."""
     offload_optimizer: Offload = _nested(Offload("cpu"), Offload)
-    """Tier of the fp32 master params and Adam moments; ``"none"`` runs a pure-JAX Adam on device."""
+    """Tier of the fp32 master params and optimizer states; ``"none"``: in device memory (sharded like the
+    params; the update still streams through host buffers on the CPU)."""
     prefetch_depth: int = _field(2, _as_int, 0)
     """Units fetched ahead of the one computing (``0``: no prefetch)."""
     prefetch_bucket_size: int = _field(50_000_000, _as_int, 0, ds="stage3_prefetch_bucket_size")
@@ -229,7 +230,8 @@ class ZeroConfig:
     aio: AioConfig = _nested(AioConfig(), AioConfig)
     """Asynchronous I/O settings of the NVMe tier."""
     gradient_clipping: float = _field(0.0, _as_float, *_NONNEG)
-    """Clip gradients to this global norm; ``0``: no clipping."""
+    """Clip gradients to this global norm, whatever the optimizer (``0``: no clipping); an optimizer
+    that clips at another norm is an error."""
     gradient_accumulation_steps: int = _field(1, _as_int, 1)
     """Micro-batches per optimizer step: ``train_step`` splits the batch's leading axis into this many
     equal parts and sums their gradients (each scaled by 1/k) before one optimizer step."""
@@ -412,7 +414,7 @@ def _parse_deepspeed(path_or_dict: Any) -> ZeroConfig:
         offload_optimizer=zero.section("offload_optimizer").build(Offload, buffer_count=4),  # DeepSpeed's default
         aio=top.section("aio").build(AioConfig),
         max_live_bytes=None if max_live is None else max_live * (2 if dtype in ("bfloat16", "float16") else 4),
-        compute_dtype=dtype, loss_scale=fp16.build(LossScaleConfig, enabled=use_fp16),
+        compute_dtype=dtype, loss_scale=fp16.build(LossScaleConfig, enabled=use_fp16 or None),
         optimizer=optimizer, gradient_clipping=top.get("gradient_clipping", _as_float, *_NONNEG, default=0.0),
         gradient_accumulation_steps=top.get("gradient_accumulation_steps", _as_int, 1, default=1))
     unused = sorted(f"{s.prefix}{k}" for s in top.sections for k in s.data if k not in s.used)

@@ -30,7 +30,7 @@ import numpy as np
 
 from zinf_jax.config import ZeroConfig
 from zinf_jax.engine.wrap import make_adapter
-from zinf_jax.optim.driver import sub_groups
+from zinf_jax.optim.subgroups import sub_groups
 from zinf_jax.sharding import local_shard_devices, make_mesh, plan_partition
 from zinf_jax.tiers.nvme_layout import chunk_shape
 from zinf_jax.units import UnitPolicy

@@ -41,13 +41,13 @@ from zinf_jax.engine.programs import Penalty, UnitPrograms, join_inputs, split_d
 from zinf_jax.engine.store import ParamStore
 from zinf_jax.units import Plan
 
-__all__ = ["StreamedModel", "EngineError", "Phase", "ParamLoss"]
+__all__ = ["StreamedModel", "EngineError", "Phase", "ParamLoss", "JIT_MESSAGE"]
 
 ParamLoss = Callable[[str, jax.Array], Any]
 """``param_loss(path, value) -> scalar``: a loss term of one parameter (e.g. L2 on kernels), 0 for none."""
 
 
-_JIT_MSG = (
+JIT_MESSAGE = (
     "zinf_jax: the streamed engine fetches parameters between unit calls and cannot run under "
     "jax.jit, vmap, grad or scan. Call engine.train_step / engine.eval_step eagerly (the units "
     "are compiled inside), and keep loss_fn free of an outer jax.jit."
@@ -210,6 +210,9 @@ class StreamedModel:
 
             loss, vjp, (aux, new_state, batch_state) = jax.vjp(
                 f, list(glue), jnp.zeros((), jnp.float32), has_aux=True)
+            if jnp.shape(loss) != ():
+                raise EngineError(f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}; reduce it "
+                                  "(e.g. jnp.mean) — nothing was applied")
             g_glue, _ = vjp(jnp.full_like(loss, loss_scale))
         finally:
             self._end(p)
@@ -239,7 +242,7 @@ class StreamedModel:
 
     def _begin(self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array], p: _Pass) -> _Pass:
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((batch, list(glue)))):
-            raise EngineError(_JIT_MSG)
+            raise EngineError(JIT_MESSAGE)
         if self.plan is None:
             self.make_plan(loss_fn, batch, glue)
         self.prefetcher.start(self.plan.schedule(p.phase is Phase.TRAIN))
@@ -304,7 +307,7 @@ class StreamedModel:
 
     def _forward(self, p: _Pass, uid: int, method: str, sig: tuple, dyn: list, save: bool = False) -> Any:
         if any(isinstance(x, jax.core.Tracer) for x in dyn):
-            raise EngineError(_JIT_MSG)
+            raise EngineError(JIT_MESSAGE)
         penalty = None
         if save and self._penalties[uid] is not None and uid not in p.penalized:
             p.penalized.add(uid)  # counted once per step, in the unit's first call (its last backward)

@@ -27,3 +27,14 @@ def make_adapter(model: Callable[[], Any] | nn.Module, *, policy: UnitPolicy | N
     if callable(model):
         return NnxAdapter(model, policy, threshold)
     raise TypeError(f"model must be an NNX constructor (a callable) or a Linen module, got {type(model).__name__}")
+
+
+def trainable_paths(adapter: Any, trainable: Any) -> frozenset[str]:
+    """The paths ``trainable`` selects (all parameters when ``None``); selecting none is an error."""
+    if trainable is None:
+        return frozenset(adapter.abstract_params)
+    paths = frozenset(adapter.select(trainable))
+    if not paths:
+        raise ValueError(f"trainable={trainable!r} selects no parameter of the model; parameters are e.g. "
+                         f"{sorted(adapter.abstract_params)[:4]}")
+    return paths

@@ -35,9 +35,9 @@ import numpy as np
 
 from zinf_jax.optim.kernel import all_finite, sum_squares
 from zinf_jax.optim.rules import UpdateRule, make_rule
+from zinf_jax.optim.subgroups import BufferSet, Group, Pipe, is_future, sub_groups, wait_all
 from zinf_jax.optim.scaling import LossScaler, grad_scale, init_loss_scale, update_loss_scale
 from zinf_jax.tiers.base import ShardSpec, Tier
-from zinf_jax.tiers.direct import aligned_empty
 
 if TYPE_CHECKING:
     from zinf_jax.config import LossScaleConfig
@@ -46,62 +46,6 @@ if TYPE_CHECKING:
 __all__ = ["StreamedOptimizer", "StreamedAdam", "METADATA_KEY"]
 
 METADATA_KEY = "streamed_adam"  # the optimizer's own counters in the tier metadata
-
-
-@dataclasses.dataclass(frozen=True)
-class _Group:
-    path: str
-    shard: int
-    chunk: int  # chunk index within the shard
-    start: int  # offset of the chunk in the flat shard
-    valid: int  # elements of real data (< chunk size only for a padded last chunk)
-    n_chunks: int
-    index: int  # tier index: shard * n_chunks + chunk
-
-
-def sub_groups(numel: int, sub_group_size: int) -> tuple[int, int]:
-    """``(chunk, n)``: the fewest sub-groups of at most ``sub_group_size`` elements, cut near-equal.
-
-    The last one is padded by fewer than ``n`` elements. Padding is stored and
-    moved every step: cuts of ``min(numel, sub_group_size)`` padded a shard just
-    over the size almost twofold.
-    """
-    numel = max(int(numel), 1)
-    n = -(-numel // max(int(sub_group_size), 1))
-    return -(-numel // n), n
-
-
-class _BufferSet:
-    """float32 buffers for one sub-group (master and the rule's states) and the futures still using them."""
-
-    def __init__(self, size: int, count: int):
-        self.arrays = tuple(aligned_empty(4 * size).view(np.float32) for _ in range(count))
-        self.pending: list[Future] = []
-
-
-@dataclasses.dataclass
-class _Pipe:
-    """In-flight state of one step: sets being read ahead, the current one, sets being written."""
-
-    reads: collections.deque = dataclasses.field(default_factory=collections.deque)
-    writing: collections.deque = dataclasses.field(default_factory=collections.deque)
-    current: _BufferSet | None = None
-    nxt: int = 0  # next sub-group to read
-    t_write: float = 0.0  # seconds blocked on writes
-
-
-def _is_future(x: Any) -> bool:
-    return callable(getattr(x, "result", None)) and callable(getattr(x, "done", None))
-
-
-def _wait(futures: list, quiet: bool = False) -> None:
-    """Waits for every future; ``quiet`` (unwinding after an error) swallows their errors."""
-    for f in futures:
-        try:
-            f.result()
-        except Exception:  # noqa: BLE001
-            if not quiet:
-                raise
 
 
 class StreamedOptimizer:
@@ -140,7 +84,7 @@ class StreamedOptimizer:
         self._chunk: dict[str, int] = {}
         self._nch: dict[str, int] = {}
         self._local: dict[str, list[int]] = {}
-        self._groups: list[_Group] = []
+        self._groups: list[Group] = []
         for path, lay in self.layouts.items():
             numel = math.prod(lay.shard_shape)
             chunk, n = sub_groups(numel, sub_group_size)
@@ -148,13 +92,13 @@ class StreamedOptimizer:
             self._local[path] = sorted(int(i) for i in local_indices(path))
             for i in self._local[path]:
                 for c in range(n):
-                    self._groups.append(_Group(path, i, c, c * chunk, min(chunk, numel - c * chunk), n, i * n + c))
+                    self._groups.append(Group(path, i, c, c * chunk, min(chunk, numel - c * chunk), n, i * n + c))
         self._max_chunk = max(self._chunk.values(), default=1)
         self.rule: UpdateRule = make_rule(spec, self.layouts, self._chunk)
         self._names = {path: ("master", *self.rule.state_names(path)) for path in self.layouts}
         self._n_arrays = max((len(v) for v in self._names.values()), default=1)
-        self._sets: list[_BufferSet] = []  # the pool, kept across steps (fresh buffers cost page faults)
-        self._free: collections.deque[_BufferSet] = collections.deque()
+        self._sets: list[BufferSet] = []  # the pool, kept across steps (fresh buffers cost page faults)
+        self._free: collections.deque[BufferSet] = collections.deque()
         self._live = 0
         self.peak_live_buffers = 0  # most sub-group buffer sets in use at once, since construction
         self._scratch: np.ndarray | None = None  # grad conversion (non-float32 grads)
@@ -305,29 +249,29 @@ class StreamedOptimizer:
                         sums.append(math.inf)  # a NaN in a replica makes every process skip
         return self._allreduce(math.fsum(sums))
 
-    def _take(self) -> _BufferSet:
+    def _take(self) -> BufferSet:
         if not self._free and len(self._sets) < self.buffer_count:
-            self._sets.append(_BufferSet(self._max_chunk, self._n_arrays))
+            self._sets.append(BufferSet(self._max_chunk, self._n_arrays))
             self._free.append(self._sets[-1])
         bs = self._free.popleft()
         self._live += 1
         self.peak_live_buffers = max(self.peak_live_buffers, self._live)
         return bs
 
-    def _release(self, bs: _BufferSet, *, quiet: bool = False) -> None:
-        _wait(bs.pending, quiet)
+    def _release(self, bs: BufferSet, *, quiet: bool = False) -> None:
+        wait_all(bs.pending, quiet)
         bs.pending = []
         self._live -= 1
         self._free.append(bs)
 
-    def _io(self, bs: _BufferSet, gr: _Group, read: bool) -> None:
+    def _io(self, bs: BufferSet, gr: Group, read: bool) -> None:
         """Reads or writes every state of sub-group ``gr``; each future joins ``bs.pending`` at once."""
         size = self._chunk[gr.path]
         for s, a in zip(self._names[gr.path], bs.arrays):
             key, buf = f"{s}/{gr.path}", a[:size]
             bs.pending.append(self.tier.get(key, gr.index, out=buf) if read else self.tier.put(key, gr.index, buf))
 
-    def _fill(self, pipe: _Pipe, j: int) -> None:
+    def _fill(self, pipe: Pipe, j: int) -> None:
         """Reclaims finished writes, then reads ahead into free buffers (sub-group ``j`` at least)."""
         for bs in [b for b in pipe.writing if all(f.done() for f in b.pending)]:
             pipe.writing.remove(bs)
@@ -366,7 +310,7 @@ class StreamedOptimizer:
           step, the applied-step count after this step and this step's learning rate.
         """
         t0 = time.perf_counter()
-        pipe = _Pipe()
+        pipe = Pipe()
         try:
             self._fill(pipe, 0)
             gs = grad_scale(self._norm_sq(grad), loss_scale=self._scaler.scale, clip_norm=self.rule.clip_norm)
@@ -386,13 +330,13 @@ class StreamedOptimizer:
         finally:  # on an error (or a skip), let in-flight I/O finish before buffers are reused
             for bs in [*pipe.reads, *pipe.writing, *([pipe.current] if pipe.current else [])]:
                 self._release(bs, quiet=True)
-            _wait(self._assembly_pending, quiet=True)
+            wait_all(self._assembly_pending, quiet=True)
             self._assembly_pending = []
         self.last_stats = {**stats, "total_s": time.perf_counter() - t0}
         return {"grad_norm": gs.norm, "skipped": not gs.finite, "loss_scale": self.loss_scale,
                 "step": self._count, "lr": lr}
 
-    def _stream(self, pipe: _Pipe, grad, write_param, *, step: int, lr: float, mult: np.float32) -> dict:
+    def _stream(self, pipe: Pipe, grad, write_param, *, step: int, lr: float, mult: np.float32) -> dict:
         t_read = t_adam = t_param = 0.0
         cur_key, cur_grad = None, None
         for j, gr in enumerate(self._groups):
@@ -421,10 +365,10 @@ class StreamedOptimizer:
             shape, numel = self.layouts[gr.path].shard_shape, self._numel[gr.path]
             if gr.n_chunks == 1:
                 out = write_param(gr.path, gr.shard, p.reshape(shape))
-                bs.pending += [out] if _is_future(out) else []
+                bs.pending += [out] if is_future(out) else []
             else:
                 if gr.chunk == 0:
-                    _wait(self._assembly_pending)
+                    wait_all(self._assembly_pending)
                     self._assembly_pending = []
                     if self._assembly is None:
                         self._assembly = np.empty(max(self._numel[q] for q in self.layouts
@@ -432,14 +376,14 @@ class StreamedOptimizer:
                 self._assembly[sl] = p
                 if gr.chunk == gr.n_chunks - 1:
                     out = write_param(gr.path, gr.shard, self._assembly[:numel].reshape(shape))
-                    self._assembly_pending += [out] if _is_future(out) else []
+                    self._assembly_pending += [out] if is_future(out) else []
             t_param += time.perf_counter() - t
             pipe.writing.append(bs)
             pipe.current = None
         t = time.perf_counter()
         while pipe.writing:
             self._release(pipe.writing.popleft())
-        _wait(self._assembly_pending)
+        wait_all(self._assembly_pending)
         self._assembly_pending = []
         pipe.t_write += time.perf_counter() - t
         return {"read_wait_s": t_read, "write_wait_s": pipe.t_write, "adam_s": t_adam,

@@ -1,4 +1,8 @@
-"""Gradient accumulation: one batch cut into equal micro-batches along its leading axis.
+"""Batches: placement on the mesh, and micro-batches for gradient accumulation.
+
+:func:`shard_batch` puts a process-local batch on the mesh, its leading axis
+split over the batch axes. For gradient accumulation :func:`micro_batches`
+cuts one batch into equal micro-batches along its leading axis:
 
 ``train_step`` runs the streamed forward/backward once per micro-batch. Each
 backward is seeded with ``loss_scale / k``, so the gradients summed in the
@@ -12,9 +16,13 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-__all__ = ["micro_batches"]
+from zinf_jax.sharding import batch_spec
+
+__all__ = ["micro_batches", "shard_batch"]
 
 
 def _batch_axis(x: Any) -> bool:
@@ -51,3 +59,22 @@ def micro_batches(batch: Any, k: int) -> list[Any]:
     m = n // k
     return [jax.tree.unflatten(tree, [x[i * m:(i + 1) * m] if _batch_axis(x) else x for x in leaves])
             for i in range(k)]
+
+
+def shard_batch(batch: Any, mesh: Mesh) -> Any:
+    """Places a process-local batch on ``mesh``, the leading axis split over the batch axes.
+
+    Arrays already on the mesh stay; typed PRNG keys (``jax.random.key(step)``)
+    are replicated; NNX objects (an ``nnx.Rngs``) pass through as state.
+    """
+    def put(x: Any) -> Any:
+        if nnx.graph.is_graph_node(x):  # an nnx.Rngs passed with the batch: state, not data
+            return x
+        if isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh:
+            return x
+        if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):  # a dropout key: every device
+            return jax.device_put(x, NamedSharding(mesh, P()))
+        x = np.asarray(x)
+        return jax.make_array_from_process_local_data(NamedSharding(mesh, batch_spec(mesh, x.ndim)), x)
+
+    return jax.tree.map(put, batch, is_leaf=nnx.graph.is_graph_node)

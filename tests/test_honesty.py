@@ -1,0 +1,92 @@
+"""Config honesty and API misuse (issue 11): every setting used or refused, misuse refused before any change."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zinf_jax as zinf
+from test_workflows import batches, config, ctor, flat, optax_run
+from zinf_jax.models import lm_loss
+from zinf_jax.tiers import DeviceTier
+
+
+def cpu_config(**kw):
+    return zinf.ZeroConfig(persistence_threshold=600, **kw)
+
+
+@pytest.mark.parametrize("kind", ["zinf", "optax"])
+def test_gradient_clipping_applies_to_any_optimizer(kind):
+    data = batches(3)
+    # eps 1e-4: see OPTAX in test_workflows (an element whose gradient is pure cancellation)
+    opt = zinf.adam(3e-3, eps=1e-4) if kind == "zinf" else optax.adam(3e-3, eps=1e-4)
+    eng = zinf.initialize(ctor, config=cpu_config(gradient_clipping=0.5), optimizer=opt, loss_fn=lm_loss)
+    assert eng.optimizer.rule.clip_norm == 0.5
+    out = [eng.train_step(b) for b in data]
+    assert out[0]["grad_norm"] > 0.5  # clipping really active
+    ref_losses, ref_params = optax_run(ctor(), optax.chain(optax.clip_by_global_norm(0.5), optax.adam(3e-3, eps=1e-4)),
+                                      data)
+    np.testing.assert_allclose([o["loss"] for o in out], ref_losses, rtol=1e-5)
+    got = flat(eng.params())
+    for path, r in ref_params.items():
+        np.testing.assert_allclose(got[path], r, rtol=1e-5, atol=1e-6, err_msg=path)
+    eng.close()
+
+
+def test_conflicting_settings_are_refused():
+    with pytest.raises(zinf.ConfigError, match="gradient_clipping: the config clips at 0.5 but the optimizer clips at 1.0"):
+        zinf.initialize(ctor, config=cpu_config(gradient_clipping=0.5), optimizer=zinf.adam(1e-3, clip_norm=1.0),
+                        loss_fn=lm_loss)
+    ds = zinf.ZeroConfig.from_deepspeed({"zero_optimization": {"stage": 3},
+                                         "optimizer": {"type": "AdamW", "params": {"lr": 0.02}}})
+    with pytest.raises(zinf.ConfigError, match="both initialize\\(optimizer=...\\) and ZeroConfig.optimizer"):
+        zinf.initialize(ctor, config=ds, optimizer=zinf.adam(1e-3), loss_fn=lm_loss)
+    eng = zinf.initialize(ctor, config=ds, loss_fn=lm_loss)  # the DeepSpeed optimizer section is used
+    assert eng.train_step(batches(1)[0])["lr"] == pytest.approx(0.02)
+    eng.close()
+
+
+def test_float16_compute_scales_the_loss_by_default():
+    eng = zinf.initialize(ctor, config=cpu_config(compute_dtype="float16"), loss_fn=lm_loss)
+    assert eng.optimizer.loss_scale == 2.0 ** 16  # DeepSpeed's dynamic default
+    eng.close()
+    off = cpu_config(compute_dtype="float16", loss_scale=zinf.LossScaleConfig(enabled=False))
+    eng = zinf.initialize(ctor, config=off, loss_fn=lm_loss)
+    assert eng.optimizer.loss_scale == 1.0  # explicitly off is honoured
+    eng.close()
+
+
+def test_offload_optimizer_none_keeps_the_state_in_device_memory():
+    data = batches(2)
+    runs = {}
+    for dev in ("none", "cpu"):
+        eng = zinf.initialize(ctor, config=cpu_config(offload_optimizer=zinf.Offload(dev)), loss_fn=lm_loss)
+        runs[dev] = [eng.train_step(b)["loss"] for b in data]
+        if dev == "none":
+            assert isinstance(eng.opt_tier, DeviceTier)
+        eng.close()
+    assert runs["none"] == runs["cpu"]
+
+
+def test_misuse_fails_before_any_state_changes(tmp_path):
+    eng = zinf.initialize(ctor, config=config(tmp_path / "a"), loss_fn=lm_loss)
+    b = batches(1)[0]
+    with pytest.raises(zinf.EngineError, match="cannot run under jax.jit"):
+        jax.jit(eng.train_step)(jnp.asarray(b))
+    per_example = lambda model, batch: jnp.mean(model(batch[:, :-1]), axis=(1, 2))  # noqa: E731
+    bad = zinf.initialize(ctor, config=config(tmp_path / "b"), loss_fn=per_example)
+    with pytest.raises(zinf.EngineError, match=r"scalar loss, got shape \(8,\)"):
+        bad.train_step(b)
+    assert bad.step == 0
+    bad.close()
+    assert eng.step == 0
+    first = eng.train_step(b)["loss"]
+    fresh = zinf.initialize(ctor, config=config(tmp_path / "c"), loss_fn=lm_loss)
+    assert fresh.train_step(b)["loss"] == first  # the refused calls changed nothing
+    fresh.close()
+    eng.close()
+    eng.close()  # idempotent
+    for call in (lambda: eng.train_step(b), lambda: eng.save(tmp_path / "ck"), eng.params, eng.model_state):
+        with pytest.raises(zinf.EngineError, match="after engine.close"):
+            call()
+    assert not (tmp_path / "ck").exists()

@@ -1,0 +1,76 @@
+"""Sub-groups of the streamed optimizer and the buffers that carry them.
+
+A shard of ``numel`` elements is cut into the fewest near-equal chunks of at
+most ``sub_group_size`` elements (:func:`sub_groups`); a :class:`Group` names
+one chunk of one shard. A :class:`BufferSet` holds one sub-group's float32
+arrays (master and the rule's states) plus the I/O futures still using them;
+a :class:`Pipe` is the in-flight state of one optimizer step.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+
+from zinf_jax.tiers.direct import aligned_empty
+
+__all__ = ["Group", "sub_groups", "BufferSet", "Pipe", "is_future", "wait_all"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    path: str
+    shard: int
+    chunk: int  # chunk index within the shard
+    start: int  # offset of the chunk in the flat shard
+    valid: int  # elements of real data (< chunk size only for a padded last chunk)
+    n_chunks: int
+    index: int  # tier index: shard * n_chunks + chunk
+
+
+def sub_groups(numel: int, sub_group_size: int) -> tuple[int, int]:
+    """``(chunk, n)``: the fewest sub-groups of at most ``sub_group_size`` elements, cut near-equal.
+
+    The last one is padded by fewer than ``n`` elements. Padding is stored and
+    moved every step: cuts of ``min(numel, sub_group_size)`` padded a shard just
+    over the size almost twofold.
+    """
+    numel = max(int(numel), 1)
+    n = -(-numel // max(int(sub_group_size), 1))
+    return -(-numel // n), n
+
+
+class BufferSet:
+    """float32 buffers for one sub-group (master and the rule's states) and the futures still using them."""
+
+    def __init__(self, size: int, count: int):
+        self.arrays = tuple(aligned_empty(4 * size).view(np.float32) for _ in range(count))
+        self.pending: list[Future] = []
+
+
+@dataclasses.dataclass
+class Pipe:
+    """In-flight state of one step: sets being read ahead, the current one, sets being written."""
+
+    reads: collections.deque = dataclasses.field(default_factory=collections.deque)
+    writing: collections.deque = dataclasses.field(default_factory=collections.deque)
+    current: BufferSet | None = None
+    nxt: int = 0  # next sub-group to read
+    t_write: float = 0.0  # seconds blocked on writes
+
+
+def is_future(x: Any) -> bool:
+    return callable(getattr(x, "result", None)) and callable(getattr(x, "done", None))
+
+
+def wait_all(futures: list, quiet: bool = False) -> None:
+    """Waits for every future; ``quiet`` (unwinding after an error) swallows their errors."""
+    for f in futures:
+        try:
+            f.result()
+        except Exception:  # noqa: BLE001
+            if not quiet:
+                raise
