@@ -90,3 +90,12 @@ def test_misuse_fails_before_any_state_changes(tmp_path):
         with pytest.raises(zinf.EngineError, match="after engine.close"):
             call()
     assert not (tmp_path / "ck").exists()
+
+
+def test_settings_without_effect_are_warned():
+    cfg = cpu_config(offload_param=zinf.Offload("cpu", buffer_size=1000), aio=zinf.AioConfig(queue_depth=4),
+                     max_reuse_distance=10)
+    assert cfg.inert_settings() == ["offload_param.buffer_size=1000", "aio.queue_depth=4", "max_reuse_distance=10"]
+    with pytest.warns(UserWarning, match="no effect yet: offload_param.buffer_size=1000, aio.queue_depth=4"):
+        zinf.initialize(ctor, config=cfg, loss_fn=lm_loss).close()
+    assert zinf.ZeroConfig().inert_settings() == []

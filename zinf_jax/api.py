@@ -11,6 +11,7 @@ import contextlib
 import math
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -97,6 +98,9 @@ class Engine:
             undo.pop_all()
         self.user_state: dict[str, Any] = {}
         self._closed = False
+        if inert := config.inert_settings():
+            warnings.warn("zinf_jax: these settings are accepted for DeepSpeed compatibility but have no effect yet: "
+                          + ", ".join(inert), UserWarning, stacklevel=3)
 
     # --- placement ----------------------------------------------------------------
     def _placement(self) -> Callable[[int], jax.Device]:
