@@ -63,6 +63,17 @@ def test_deepspeed_stage2_refused(tmp_path, capsys):
     assert "stage" in capsys.readouterr().err
 
 
+def test_deepspeed_optimizer_section_is_used(tmp_path, capsys):
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                                    "offload_optimizer": {"device": "cpu"}},
+                              "optimizer": {"type": "AdamW", "params": {"lr": 0.02}}}))
+    assert _run(tmp_path, "--steps", "2", "--deepspeed-config", str(ds)) == 0
+    assert "using the config's optimizer section (adamw, lr 0.02" in capsys.readouterr().err
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        assert [json.loads(line)["lr"] for line in f] == pytest.approx([0.02, 0.02])
+
+
 def test_resume_without_checkpoint(tmp_path, capsys):
     assert _run(tmp_path, "--steps", "1", "--resume") == 2
     assert "no zinf_jax checkpoint" in capsys.readouterr().err
@@ -93,7 +104,7 @@ def test_read_only_and_full_nvme_path(tmp_path, capsys):
     ckpt = tmp_path / "run" / "ckpt" / "step_00000002"
     before = sorted((p.relative_to(ckpt), p.stat().st_size) for p in ckpt.rglob("*") if p.is_file())
     with _tmpfs(tmp_path / "full", "size=64k") as full:
-        assert _run(tmp_path, "--steps", "4", "--nvme-dir", str(full)) == 2
+        assert _run(tmp_path, "--steps", "4", "--nvme-dir", str(full), "--resume") == 2
         assert "disk full" in capsys.readouterr().err
     after = sorted((p.relative_to(ckpt), p.stat().st_size) for p in ckpt.rglob("*") if p.is_file())
     assert before == after and os.path.exists(ckpt / "zinf_meta.json")

@@ -34,7 +34,7 @@ def _losses(run: Path) -> dict[int, float]:
     out = {}
     for line in (run / "metrics.jsonl").read_text().splitlines():
         m = json.loads(line)
-        out[m["step"]] = m["loss"]  # a re-run step overwrites the killed run's entry
+        out[m["data_step"]] = m["loss"]  # a re-run step overwrites the killed run's entry
     return out
 
 

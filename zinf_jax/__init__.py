@@ -14,17 +14,38 @@
   optimizer: streamed CPU Adam over optimizer shards (fp32 master, m, v):
              read sub-group j+1 | update j | write j-1; new params -> param tier
 
-This module only re-exports the public API.
+This module only re-exports the public API, lazily (PEP 562): ``import zinf_jax`` loads
+nothing heavy, so the CLI installs its signal handlers before JAX, Flax and orbax load.
 """
-from zinf_jax.api import Engine, initialize, restore
-from zinf_jax.checkpoint import CheckpointError
-from zinf_jax.config import AioConfig, ConfigError, LossScaleConfig, Offload, OptimizerConfig, ZeroConfig
-from zinf_jax.engine.store import ParamMismatchError
-from zinf_jax.engine.streamed import EngineError
-from zinf_jax.optim import adam, adamw
-from zinf_jax.sharding import format_table, make_mesh, plan_partition
-from zinf_jax.tiers import TierError
-from zinf_jax.units import Plan, UnitPolicy, UnitPolicyError
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "zinf_jax.api": ("Engine", "initialize", "restore"),
+    "zinf_jax.checkpoint": ("CheckpointError",),
+    "zinf_jax.config": ("AioConfig", "ConfigError", "LossScaleConfig", "Offload", "OptimizerConfig", "ZeroConfig"),
+    "zinf_jax.engine.store": ("ParamMismatchError",),
+    "zinf_jax.engine.streamed": ("EngineError",),
+    "zinf_jax.optim": ("adam", "adamw"),
+    "zinf_jax.sharding": ("format_table", "make_mesh", "plan_partition"),
+    "zinf_jax.tiers": ("TierError",),
+    "zinf_jax.units": ("Plan", "UnitPolicy", "UnitPolicyError"),
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'zinf_jax' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_WHERE])
+
 
 __version__ = "0.1.0"
 

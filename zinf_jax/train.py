@@ -3,16 +3,22 @@
 Parameters and optimizer state live on the nvme tier under ``--nvme-dir`` by
 default; a live progress line shows step, loss, tokens/s and bytes per tier;
 metrics go to a JSON-lines log; checkpoints are saved every ``save_every``
-steps, at the end, and on Ctrl-C; ``resume`` continues from the newest one and
-reproduces the uninterrupted run (the batch of a step is a pure function of the
-step, and the RNG state is in the checkpoint).
+steps, at the end, and on SIGINT/SIGTERM/SIGHUP; ``resume`` continues from the
+newest good one and reproduces the uninterrupted run bitwise (the batch of a
+data position is a pure function of it; the data position, the RNG state and
+the loss scaler are in the checkpoint).
+
+The run directory is locked for the whole run, never silently reused (see
+:mod:`zinf_jax.rundir`), and signals only request a stop at a safe point (see
+:mod:`zinf_jax.interrupts`).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import math
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -21,31 +27,54 @@ from typing import Any, TextIO
 import numpy as np
 from flax import nnx
 
+from zinf_jax import rundir
 from zinf_jax.api import Engine, close_quietly, initialize, restore
-from zinf_jax.checkpoint import latest_step_dir
-from zinf_jax.config import Offload, ZeroConfig
+from zinf_jax.checkpoint import CheckpointError, META
+from zinf_jax.config import ConfigError, Offload, ZeroConfig
+from zinf_jax.interrupts import Interrupted, StopRequest
 from zinf_jax.models import GPT, GPTConfig, batch_at, corpus, lm_loss
 from zinf_jax.optim import adamw
+from zinf_jax.progress import Progress
+from zinf_jax.tiers import TierError
+from zinf_jax.train_checks import check_args, check_batch
 
-__all__ = ["TrainArgs", "train", "build_config"]
+__all__ = ["TrainArgs", "train", "build_config", "check_args", "Interrupted", "NonFiniteLossError",
+           "MAX_NONFINITE_IN_A_ROW"]
+
+MAX_NONFINITE_IN_A_ROW = 10
+"""Consecutive steps with a non-finite loss after which the job stops (they change nothing: they are skipped)."""
+
+
+class NonFiniteLossError(RuntimeError):
+    """The run ended with a non-finite loss (diverged, or a corrupt state); the exit status is 1."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainArgs:
     """Settings of the main job (each is a ``zinf-jax train`` flag).
 
+    Two counters: the *step* is the number of optimizer updates applied
+    (``Engine.step``; a step skipped for a non-finite gradient, e.g. an fp16
+    overflow, does not count), the *data position* is the number of batches
+    consumed (skipped steps included). ``steps``, ``save_every``, the
+    checkpoint names ``step_<N>``, the progress line and the learning-rate
+    schedule all follow the step; the data position is stored with each
+    checkpoint (``user_state["data_step"]``) and a resumed run continues from it.
+
     Attributes:
       steps: optimizer steps to reach (a resumed run continues up to it).
-      batch: sequences per step (split over the mesh).
+      batch: sequences per step (split over the mesh: a multiple of the device count).
       seq: tokens per sequence.
-      d_model, n_layers, n_heads: model shape.
+      d_model, n_layers, n_heads: model shape (``n_heads`` divides ``d_model``).
       lr, warmup, weight_decay, clip: AdamW with linear warmup then cosine decay.
       run_dir: where the metrics log, checkpoints and (default) nvme tiers go.
       nvme_dir: directory of the nvme tiers (default ``<run_dir>/nvme``).
       param_device, optimizer_device: ``none`` / ``cpu`` / ``nvme`` tiers.
-      save_every: checkpoint period in steps (0: only at the end and on Ctrl-C).
+      save_every: checkpoint period in steps (0: only at the end and on a signal).
       keep: keep the newest N checkpoints, deleting older ones after each save; 0 keeps all.
-      resume: continue from the newest checkpoint in ``<run_dir>/ckpt``.
+      resume: continue from the newest good checkpoint in ``<run_dir>/ckpt``.
+      overwrite: delete the run dir's checkpoints, tier state and logs, then start over
+        (without it, or ``resume``, a run dir that holds them is refused).
       config: a zinf config JSON (``ZeroConfig.to_dict`` form) overriding the tier flags.
       deepspeed_config: a DeepSpeed JSON config (stage 3) instead.
       seed: initialisation and data seed.
@@ -71,6 +100,7 @@ class TrainArgs:
     save_every: int = 50
     keep: int = 0
     resume: bool = False
+    overwrite: bool = False
     config: str | None = None
     deepspeed_config: str | None = None
     seed: int = 0
@@ -79,79 +109,90 @@ class TrainArgs:
 
 
 def build_config(args: TrainArgs) -> ZeroConfig:
-    """The ZeroConfig the flags (or the given config files) describe."""
+    """The ZeroConfig the flags (or the given config files) describe (creates nothing)."""
     if args.config and args.deepspeed_config:
-        raise ValueError("give either --config or --deepspeed-config, not both")
-    if args.deepspeed_config or args.config:
-        if args.deepspeed_config:
-            cfg = ZeroConfig.from_deepspeed(args.deepspeed_config)
-        else:
-            with open(args.config) as f:
-                cfg = ZeroConfig.from_dict(json.load(f))
-        for off in (cfg.offload_param, cfg.offload_optimizer):
-            if off.device == "nvme" and not os.path.isabs(off.path):
-                os.makedirs(off.path, exist_ok=True)  # a relative swap folder is the job's own, like DeepSpeed's
-        return cfg
+        raise ValueError("--config and --deepspeed-config: give one of them, not both")
+    if args.deepspeed_config:
+        return ZeroConfig.from_deepspeed(args.deepspeed_config)
+    if args.config:
+        with open(args.config) as f:
+            try:
+                return ZeroConfig.from_dict(json.load(f))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--config {args.config}: not valid JSON ({e})") from None
     nvme = args.nvme_dir or os.path.join(args.run_dir, "nvme")
-    if "nvme" in (args.param_device, args.optimizer_device):
-        os.makedirs(nvme, exist_ok=True)
     off = lambda d: Offload(d, path=nvme if d == "nvme" else None)  # noqa: E731
     return ZeroConfig(offload_param=off(args.param_device), offload_optimizer=off(args.optimizer_device),
                       gradient_clipping=args.clip, seed=args.seed, persistence_threshold=args.persistence_threshold)
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1024 or unit == "TB":
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-        n /= 1024
-    return str(n)
+def _nvme_paths(args: TrainArgs, config: ZeroConfig) -> list[str]:
+    return [off.path for off in (config.offload_param, config.offload_optimizer) if off.device == "nvme"]
 
 
-class _Progress:
-    """A one-line live progress display (no dependency)."""
-
-    def __init__(self, total: int, start: int, out: TextIO, enabled: bool):
-        self.total, self.start, self.out, self.enabled = total, start, out, enabled
-        self.t0 = time.perf_counter()
-
-    def update(self, step: int, m: dict[str, Any]) -> None:
-        if not self.enabled:
-            return
-        done = (step - self.start) / max(1, self.total - self.start)
-        bar = "#" * int(24 * done) + "-" * (24 - int(24 * done))
-        el = time.perf_counter() - self.t0
-        eta = el / max(done, 1e-9) - el
-        line = (f"\rstep {step}/{self.total} [{bar}] loss {m['loss']:.4f} {m['tokens_per_s']:.0f} tok/s "
-                f"dev {_human(m['peak_device_bytes'])} host {_human(m['bytes_host'])} "
-                f"nvme {_human(m['bytes_nvme'])} eta {eta:.0f}s ")
-        self.out.write(line)
-        self.out.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            self.out.write("\n")
+def _make_tier_dirs(args: TrainArgs, config: ZeroConfig) -> None:
+    """Creates the job's own nvme directories (the default one, or a relative swap folder of a config)."""
+    for path in _nvme_paths(args, config):
+        if not (args.config or args.deepspeed_config) or not os.path.isabs(path):
+            os.makedirs(path, exist_ok=True)
 
 
-def _engine(args: TrainArgs, config: ZeroConfig, ckpt: Path) -> Engine:
+def _engine_kwargs(args: TrainArgs, config: ZeroConfig) -> tuple[Any, dict[str, Any]]:
+    """The model constructor and the engine's keyword arguments.
+
+    The flags' AdamW (warmup, then cosine decay) unless the config has an
+    ``optimizer`` section (a DeepSpeed config's), which is then used as it is.
+    Gradient clipping is the config's ``gradient_clipping`` (``--clip`` without a config file).
+    """
+    import optax
+
     cfg = GPTConfig(d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads, seq=args.seq)
     seed = config.seed
     ctor = lambda: GPT(cfg, rngs=nnx.Rngs(seed))  # noqa: E731
-    import optax
-
-    sched = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, max(args.steps, args.warmup + 1), args.lr * 0.1)
-    opt = adamw(sched, weight_decay=args.weight_decay, clip_norm=args.clip or None)
-    kw = dict(config=config, optimizer=opt, loss_fn=lm_loss)
-    if args.resume:
-        latest_step_dir(ckpt)  # a clear error if there is nothing to resume from
-        return restore(ckpt, ctor, **kw)
-    return initialize(ctor, **kw)
+    opt = None
+    if config.optimizer is None:
+        sched = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, max(args.steps, args.warmup + 1),
+                                                   args.lr * 0.1)
+        opt = adamw(sched, weight_decay=args.weight_decay)
+    return ctor, dict(config=config, optimizer=opt, loss_fn=lm_loss)
 
 
-def _main_thread() -> bool:
-    import threading
+_NOT_THE_CHECKPOINT = (TierError, ConfigError)  # errors of this job's setup, the same for every checkpoint
 
-    return threading.current_thread() is threading.main_thread()
+
+def _restore_newest_good(ckpt: Path, args: TrainArgs, config: ZeroConfig, out: TextIO) -> tuple[Engine, Path]:
+    """Restores the newest checkpoint that restores; damaged newer ones are set aside, each with one line.
+
+    The tier state is rebuilt from the checkpoint (cleared before each try).
+
+    Raises:
+      CheckpointError: none restores (the message names each one and why).
+    """
+    dirs = rundir.step_dirs(ckpt)
+    if not dirs:
+        raise CheckpointError(f"no zinf_jax checkpoint in {str(ckpt)!r} (expected step_<N>/{META}) to --resume from; "
+                              "start without --resume")
+    ctor, kw = _engine_kwargs(args, config)
+    bad: list[tuple[Path, str]] = []
+    for d in dirs:
+        if not (d / META).is_file():
+            bad.append((d, f"no {META} (an interrupted or damaged save)"))
+            continue
+        rundir.clear_tier_state(_nvme_paths(args, config))
+        _make_tier_dirs(args, config)
+        try:
+            engine = restore(d, ctor, **kw)
+        except _NOT_THE_CHECKPOINT:
+            raise
+        except (CheckpointError, OSError, ValueError, KeyError, TypeError) as e:
+            bad.append((d, f"{type(e).__name__}: {e}"))
+            continue
+        for b, why in bad:
+            moved = rundir.set_aside(b)
+            out.write(f"zinf-jax train: checkpoint {b.name} is unusable ({why}); resuming from {d.name} instead "
+                      f"(the bad one is moved to {moved.name})\n")
+        return engine, d
+    raise CheckpointError(f"no usable checkpoint in {str(ckpt)!r}: " + "; ".join(f"{b.name}: {w}" for b, w in bad))
 
 
 def _tier_split(engine: Engine, m: dict[str, Any]) -> tuple[int, int]:
@@ -164,71 +205,178 @@ def _tier_split(engine: Engine, m: dict[str, Any]) -> tuple[int, int]:
     return host, nvme
 
 
-def train(args: TrainArgs, *, out: TextIO | None = None) -> dict[str, Any]:
-    """Runs the main job; returns its summary (also printed and written as JSON).
+@dataclasses.dataclass
+class _Run:
+    """The state of one run of the loop."""
 
-    Raises:
-      ConfigError, TierError, CheckpointError: bad input, with a clear message.
-    """
-    out = out or sys.stderr
-    if args.keep < 0:
-        raise ValueError(f"--keep must be >= 0 (the newest checkpoints to keep; 0 keeps all), got {args.keep}")
-    keep = args.keep or None
-    run = Path(args.run_dir)
-    run.mkdir(parents=True, exist_ok=True)
-    ckpt = run / "ckpt"
-    config = build_config(args)
-    engine = _engine(args, config, ckpt)
-    data = corpus()
-    start = engine.step
-    log = open(run / "metrics.jsonl", "a")
-    bar = _Progress(args.steps, start, out, args.progress)
-    losses, rates, stop = [], [], []
-    t0 = time.perf_counter()
+    args: TrainArgs
+    engine: Engine
+    ckpt: Path
+    data_pos: int
+    saved: Path | None = None
+    saved_step: int | None = None
+    losses: list[float] = dataclasses.field(default_factory=list)
+    rates: list[float] = dataclasses.field(default_factory=list)
+    nonfinite_in_a_row: int = 0
 
-    def on_sigint(signum: int, frame: Any) -> None:
-        if stop:  # second Ctrl-C: give up at once; the last committed state stays intact
-            raise KeyboardInterrupt
-        stop.append(True)
-        out.write("\nCtrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to abort)\n")
+    def save(self) -> Path:
+        """Checkpoints the current step, unless it is already saved (a skipped step changes nothing)."""
+        if self.saved_step != self.engine.step:
+            user = {"data_step": self.data_pos, "optimizer_step": self.engine.step}
+            self.saved = self.engine.save(self.ckpt, user_state=user, max_to_keep=self.args.keep or None)
+            self.saved_step = self.engine.step
+        return self.saved
 
-    old = signal.signal(signal.SIGINT, on_sigint) if _main_thread() else None
+
+def _loop(run: _Run, log: TextIO, out: TextIO, stop: StopRequest, seed: int) -> None:
+    """Steps until ``args.steps`` optimizer steps are applied, a stop is requested or the loss stays non-finite."""
+    args, engine, data = run.args, run.engine, corpus()
+    bar = Progress(args.steps, engine.step, out, args.progress)
     try:
-        for step in range(start, args.steps):
-            if stop:
-                break
-            m = engine.train_step(batch_at(data, step, args.batch, args.seq, config.seed))
+        while engine.step < args.steps and not stop.requested:
+            m = engine.train_step(batch_at(data, run.data_pos, args.batch, args.seq, seed))
+            run.data_pos += 1
+            m["data_step"] = run.data_pos
             m["bytes_host"], m["bytes_nvme"] = _tier_split(engine, m)
-            losses.append(m["loss"])
-            rates.append(m["tokens_per_s"])
+            run.losses.append(m["loss"])
+            run.rates.append(m["tokens_per_s"])
             log.write(json.dumps({k: v for k, v in m.items() if isinstance(v, (int, float, str, bool))}) + "\n")
             log.flush()
-            bar.update(step + 1, m)
-            if args.save_every and (step + 1) % args.save_every == 0:
-                engine.save(ckpt, user_state={"data_step": step + 1}, max_to_keep=keep)
-        saved = engine.save(ckpt, user_state={"data_step": engine.step}, max_to_keep=keep)
-    except BaseException:
-        close_quietly(engine)  # releases the tier locks; the error raised here is the one to report
-        raise
+            bar.update(engine.step, m)
+            if not m["skipped"] and args.save_every and engine.step % args.save_every == 0:
+                run.save()
+            run.nonfinite_in_a_row = 0 if math.isfinite(m["loss"]) else run.nonfinite_in_a_row + 1
+            if run.nonfinite_in_a_row >= MAX_NONFINITE_IN_A_ROW:
+                break
     finally:
         bar.close()
-        log.close()
-        if old is not None:
-            signal.signal(signal.SIGINT, old)
-    interrupted = bool(stop)
-    engine.close()
-    summary = {
-        "steps_run": len(losses), "step": int(saved.name.split("_")[-1]), "interrupted": interrupted,
+    notice = stop.take_notice()
+    if notice:
+        out.write(notice)
+
+
+def _start(args: TrainArgs, config: ZeroConfig, ckpt: Path, out: TextIO) -> _Run:
+    if args.resume:
+        engine, step_dir = _restore_newest_good(ckpt, args, config, out)
+        run = _Run(args=args, engine=engine, ckpt=ckpt, data_pos=int(engine.user_state.get("data_step", engine.step)))
+        run.saved, run.saved_step = step_dir, engine.step
+        return run
+    ctor, kw = _engine_kwargs(args, config)
+    return _Run(args=args, engine=initialize(ctor, **kw), ckpt=ckpt, data_pos=0)
+
+
+def _summary(run: _Run, config: ZeroConfig, stop: StopRequest, t0: float) -> dict[str, Any]:
+    losses = run.losses
+    return {
+        "steps_run": len(losses), "step": run.engine.step, "data_step": run.data_pos,
+        "interrupted": stop.requested, "signal": stop.name or None, "exit_code": stop.exit_code,
         "initial_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
-        "median_tokens_per_s": float(np.median(rates)) if rates else None,
-        "wall_s": time.perf_counter() - t0, "checkpoint": str(saved),
+        "median_tokens_per_s": float(np.median(run.rates)) if run.rates else None,
+        "wall_s": time.perf_counter() - t0, "checkpoint": str(run.saved) if run.saved else None,
         "tiers": {"param": config.offload_param.device, "optimizer": config.offload_optimizer.device},
     }
-    with open(run / "summary.json", "w") as f:
+
+
+def _report(summary: dict[str, Any], run_dir: Path, out: TextIO) -> None:
+    with open(run_dir / "summary.json", "w") as f:
         json.dump(summary, f, indent=1)
+    head = f"interrupted by {summary['signal']}" if summary["interrupted"] else "done"
     out.write(
-        f"{'interrupted' if interrupted else 'done'}: {summary['steps_run']} steps (now at {summary['step']}), "
+        f"{head}: {summary['steps_run']} steps (now at step {summary['step']}, data position {summary['data_step']}), "
         f"loss {summary['initial_loss']} -> {summary['final_loss']}, "
-        f"{summary['median_tokens_per_s'] or 0:.0f} tok/s median, checkpoint {saved}\n"
+        f"{summary['median_tokens_per_s'] or 0:.0f} tok/s median, checkpoint {summary['checkpoint'] or 'none'}\n"
     )
+    final = summary["final_loss"]
+    if final is not None and not math.isfinite(final):
+        raise NonFiniteLossError(
+            f"the final loss is {final} (non-finite: the run diverged or its state is corrupt); stopped at step "
+            f"{summary['step']}; newest checkpoint: {summary['checkpoint'] or 'none'}")
+
+
+def _run_locked(args: TrainArgs, config: ZeroConfig, run_dir: Path, out: TextIO, stop: StopRequest) -> dict[str, Any]:
+    """Everything that happens with the run dir locked: clean-up, build, loop, save, report."""
+    ckpt = run_dir / "ckpt"
+    own_tiers = [*_nvme_paths(args, config), str(run_dir / "nvme")]  # the default one too, whatever the tiers now
+    deleted = rundir.check_reuse(run_dir, own_tiers, resume=args.resume, overwrite=args.overwrite)
+    if deleted:
+        out.write(f"zinf-jax train: --overwrite: deleted {', '.join(deleted)}\n")
+    stale = rundir.remove_stale(ckpt)
+    if stale:
+        out.write(f"zinf-jax train: removed {len(stale)} unfinished save(s) of an earlier run: {', '.join(stale)}\n")
+    _make_tier_dirs(args, config)
+    if config.optimizer is not None:
+        o = config.optimizer
+        out.write(f"zinf-jax train: using the config's optimizer section ({o.name}, lr {o.lr}, no schedule); "
+                  "--lr, --warmup and --weight-decay do not apply\n")
+    stop.check("startup")
+    t0 = time.perf_counter()
+    run = None
+    try:
+        run = _start(args, config, ckpt, out)
+        stop.check("startup (after building the engine)")
+        with open(run_dir / "metrics.jsonl", "a") as log:
+            _loop(run, log, out, stop, config.seed)
+        if stop.requested and not run.losses:
+            stop.check("startup (before the first step)")
+        if not run.losses or math.isfinite(run.losses[-1]):  # a diverged state is not saved over the good ones
+            run.save()
+    except BaseException:
+        if run is not None:
+            close_quietly(run.engine)  # releases the tier locks; the error raised here is the one to report
+        if not args.resume and not (run and run.losses):  # a new run that never trained: leave no tier state
+            with contextlib.suppress(OSError, rundir.RunDirError):
+                rundir.clear_tier_state(_nvme_paths(args, config))
+        raise
+    run.engine.close()
+    summary = _summary(run, config, stop, t0)
+    _report(summary, run_dir, out)
     return summary
+
+
+def _fd_of(out: TextIO) -> int | None:
+    """The file descriptor behind ``out`` if it is the process's stderr (for notices from a signal handler)."""
+    if out not in (sys.stderr, sys.__stderr__):
+        return None
+    try:
+        return out.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def train(args: TrainArgs, *, out: TextIO | None = None, stop: StopRequest | None = None) -> dict[str, Any]:
+    """Runs the main job; returns its summary (also printed and written as JSON).
+
+    Args:
+      args: the settings.
+      out: where progress and messages go (default stderr).
+      stop: the stop request to honour (default: one installed for the run when
+        called from the main thread).
+
+    Returns:
+      The summary; ``interrupted``/``signal``/``exit_code`` tell whether a
+      signal stopped the run (after the step in progress, with a checkpoint).
+
+    Raises:
+      ValueError: a bad setting (``--flag VALUE: what is allowed``), or the run
+        dir is in use or holds another run (:class:`~zinf_jax.rundir.RunDirError`).
+      ConfigError, TierError, CheckpointError: bad input, with a clear message.
+      Interrupted: a signal came before the first step (nothing saved).
+      NonFiniteLossError: the final loss is not finite.
+    """
+    out = out or sys.stderr
+    check_args(args)
+    own = stop is None
+    if own:
+        stop = StopRequest(fd=_fd_of(out)).install()
+    try:
+        config = build_config(args)
+        check_batch(args, config)
+        stop.check("startup")
+        run_dir = Path(args.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with rundir.RunLock(run_dir):
+            return _run_locked(args, config, run_dir, out, stop)
+    finally:
+        if own:
+            stop.restore()
+

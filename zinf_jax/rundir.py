@@ -1,0 +1,194 @@
+"""The main job's run directory: one job at a time, never silently reused, tidy after a crash.
+
+A run directory holds ``metrics.jsonl``, ``summary.json``, ``ckpt/step_<N>/``
+checkpoints and (by default) the nvme tiers under ``nvme/``. This module only
+uses the standard library:
+
+* :class:`RunLock`: an exclusive ``fcntl.flock`` on ``<run_dir>/.lock`` (the
+  holder's pid is written in it) for every tier choice; the kernel drops it when
+  the process dies, however it dies.
+* :func:`check_reuse`: a new run (no ``--resume``) refuses a directory that holds
+  checkpoints or tier state, unless ``--overwrite`` lets it delete them first.
+* :func:`remove_stale`: ``.tmp_step_*`` directories of saves a kill interrupted.
+* :func:`step_dirs` and :func:`set_aside`: every ``step_<N>`` directory newest
+  first (complete or not), and moving a damaged one out of the way.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Iterable
+
+__all__ = ["RunDirError", "RunLock", "check_reuse", "clear_tier_state", "remove_stale", "step_dirs", "set_aside",
+           "TIER_SUBDIRS"]
+
+LOCK = ".lock"
+TIER_SUBDIRS = ("params", "optimizer")  # the subdirectories the engine's nvme tiers use under an offload path
+_STEP_DIR = re.compile(r"step_(\d+)")
+_STALE = (".tmp_step_*", ".del_step_*")  # a save or a retention delete that a kill interrupted
+
+
+class RunDirError(ValueError):
+    """The run directory is in use, or holds another run's state."""
+
+
+def _holder(f) -> str:
+    f.seek(0)
+    return f.read().strip() or "another process"
+
+
+class RunLock:
+    """An exclusive lock on a run directory, held until :meth:`close` (or the process ends).
+
+    Args:
+      run_dir: the run directory (must exist).
+
+    Raises:
+      RunDirError: another process holds it (the message names its pid).
+    """
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / LOCK
+        self._f = open(self.path, "a+")
+        try:
+            fcntl.flock(self._f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(self._f)
+            self._f.close()
+            raise RunDirError(f"run dir {str(run_dir)!r} is in use by {holder} (it holds {str(self.path)!r}); "
+                              "wait for that run to finish, stop it, or use another --run-dir") from None
+        self._f.seek(0)
+        self._f.truncate()
+        self._f.write(f"pid {os.getpid()}\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        """Releases the lock (idempotent)."""
+        if not self._f.closed:
+            self._f.seek(0)
+            self._f.truncate()
+            fcntl.flock(self._f, fcntl.LOCK_UN)
+            self._f.close()
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def step_dirs(ckpt: Path) -> list[Path]:
+    """Every ``step_<N>`` directory under ``ckpt`` (with or without its metadata), newest first."""
+    if not ckpt.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in ckpt.iterdir() if (m := _STEP_DIR.fullmatch(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def _tier_dirs(nvme_paths: Iterable[str]) -> list[Path]:
+    """The tier subdirectories under the offload paths that hold anything but lock files."""
+    out = []
+    for root in dict.fromkeys(nvme_paths):
+        for sub in TIER_SUBDIRS:
+            d = Path(root) / sub
+            if d.is_dir() and any(f.is_file() and f.name != "LOCK" for f in d.rglob("*")):
+                out.append(d)
+    return out
+
+
+def _check_unlocked(tier_dir: Path) -> None:
+    """Refuses to touch a tier directory whose lock another process holds."""
+    for lock in tier_dir.glob("process_*/LOCK"):
+        with open(lock, "a+") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise RunDirError(f"tier state {str(tier_dir)!r} is in use by {_holder(f)}; stop that job or use "
+                                  "another offload path") from None
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def clear_tier_state(nvme_paths: Iterable[str]) -> list[Path]:
+    """Deletes the nvme tier state under ``nvme_paths`` (only the engine's own subdirectories).
+
+    Returns:
+      The directories deleted.
+
+    Raises:
+      RunDirError: another process holds one of the tiers' locks.
+    """
+    dirs = [Path(root) / sub for root in dict.fromkeys(nvme_paths) for sub in TIER_SUBDIRS
+            if (Path(root) / sub).is_dir()]
+    for d in dirs:
+        _check_unlocked(d)
+    for d in dirs:
+        shutil.rmtree(d)
+    return dirs
+
+
+def check_reuse(run_dir: Path, nvme_paths: list[str], *, resume: bool, overwrite: bool) -> list[str]:
+    """Refuses (or with ``overwrite`` clears) a run directory that holds another run's state.
+
+    Call it with the run directory's lock held. A resumed run keeps everything.
+
+    Args:
+      run_dir: the run directory.
+      nvme_paths: the offload paths of the nvme tiers.
+      resume: the run continues the newest checkpoint.
+      overwrite: delete old checkpoints, tier state and logs first.
+
+    Returns:
+      What was deleted (for the log line), empty if nothing.
+
+    Raises:
+      RunDirError: old state is there and neither ``resume`` nor ``overwrite`` is set.
+    """
+    if resume:
+        return []
+    ckpt = run_dir / "ckpt"
+    old = [p.name for p in step_dirs(ckpt)] + [str(d) for d in _tier_dirs(nvme_paths)]
+    if not old:
+        return []
+    if not overwrite:
+        shown = ", ".join(old[:3]) + (f" and {len(old) - 3} more" if len(old) > 3 else "")
+        raise RunDirError(f"run dir {str(run_dir)!r} already holds a run ({shown}): pass --resume to continue it, "
+                          "or --overwrite to delete its checkpoints and tier state and start over")
+    deleted = [str(d) for d in clear_tier_state(nvme_paths)]
+    if ckpt.exists():
+        shutil.rmtree(ckpt)
+        deleted.append(str(ckpt))
+    for log in ("metrics.jsonl", "summary.json"):
+        if (run_dir / log).exists():
+            (run_dir / log).unlink()
+    return deleted
+
+
+def remove_stale(ckpt: Path) -> list[str]:
+    """Deletes what killed saves left under ``ckpt`` (``.tmp_step_*``, ``.del_step_*``); returns their names.
+
+    Call it with the run directory's lock held (no save of this run is in flight).
+    """
+    if not ckpt.is_dir():
+        return []
+    stale = sorted({p for pattern in _STALE for p in ckpt.glob(pattern) if p.is_dir()})
+    for p in stale:
+        shutil.rmtree(p)
+    return [p.name for p in stale]
+
+
+def set_aside(step_dir: Path) -> Path:
+    """Renames a damaged checkpoint out of the ``step_*`` namespace (kept for inspection).
+
+    A later save of the same step then writes a fresh ``step_<N>`` instead of
+    colliding with the damaged one.
+
+    Returns:
+      The new path (``<ckpt>/.bad_step_<N>_<id>``).
+    """
+    dest = step_dir.with_name(f".bad_{step_dir.name}_{uuid.uuid4().hex[:8]}")
+    os.rename(step_dir, dest)
+    return dest

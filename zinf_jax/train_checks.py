@@ -1,0 +1,101 @@
+"""Up-front checks of the main job's settings: one line each, ``--flag VALUE: what is allowed``.
+
+:func:`check_args` looks at the flags alone and runs before anything is built;
+:func:`check_batch` needs the device count and the config (gradient
+accumulation), so it runs once those are known, still before the run dir is
+touched.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = ["check_args", "check_batch", "flag"]
+
+TIERS = ("none", "cpu", "nvme")
+
+# field -> (minimum, what is allowed)
+_INTS = {
+    "steps": (1, "a positive integer (the optimizer step to reach)"),
+    "batch": (1, "a positive integer (sequences per step)"),
+    "seq": (1, "a positive integer (tokens per sequence)"),
+    "d_model": (1, "a positive integer"),
+    "n_layers": (1, "a positive integer"),
+    "n_heads": (1, "a positive integer that divides --d-model"),
+    "warmup": (0, "an integer >= 0 (warmup steps)"),
+    "save_every": (0, "an integer >= 0 (steps between checkpoints; 0: only at the end and on a signal)"),
+    "keep": (0, "an integer >= 0 (the newest checkpoints to keep; 0 keeps all)"),
+    "seed": (0, "an integer >= 0"),
+    "persistence_threshold": (0, "an integer >= 0 (elements)"),
+}
+# field -> (lowest allowed, the lowest excluded, what is allowed)
+_FLOATS = {
+    "lr": (0.0, True, "a finite number > 0"),
+    "weight_decay": (0.0, False, "a finite number >= 0"),
+    "clip": (0.0, False, "a finite number >= 0 (0: no clipping)"),
+}
+
+
+def flag(field: str) -> str:
+    """The command-line flag of a ``TrainArgs`` field (``save_every`` -> ``--save-every``)."""
+    return "--" + field.replace("_", "-")
+
+
+def _bad(field: str, value: Any, allowed: str) -> ValueError:
+    return ValueError(f"{flag(field)} {value}: must be {allowed}")
+
+
+def _check_int(field: str, v: Any) -> None:
+    low, allowed = _INTS[field]
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise _bad(field, v, allowed)
+
+
+def _check_float(field: str, v: Any) -> None:
+    low, strict, allowed = _FLOATS[field]
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if not ok or v < low or (strict and v == low):
+        raise _bad(field, v, allowed)
+
+
+def check_args(args: Any) -> None:
+    """Checks every setting that needs nothing else (see module doc).
+
+    Raises:
+      ValueError: ``--flag VALUE: must be ...`` for the first bad one.
+    """
+    for field in _INTS:
+        _check_int(field, getattr(args, field))
+    for field in _FLOATS:
+        _check_float(field, getattr(args, field))
+    if args.d_model % args.n_heads:
+        raise _bad("n_heads", args.n_heads, f"a divisor of --d-model {args.d_model}")
+    from zinf_jax.models import corpus
+
+    longest = len(corpus()) - 2
+    if args.seq > longest:
+        raise _bad("seq", args.seq, f"at most {longest} (the training text holds {longest + 2} bytes)")
+    for field in ("param_device", "optimizer_device"):
+        if getattr(args, field) not in TIERS:
+            raise _bad(field, getattr(args, field), "one of " + ", ".join(TIERS))
+    if not str(args.run_dir):
+        raise _bad("run_dir", repr(args.run_dir), "a directory")
+    if args.resume and args.overwrite:
+        raise ValueError("--overwrite: cannot be combined with --resume (--resume continues the run in --run-dir, "
+                         "--overwrite deletes it and starts over)")
+    if args.config and args.deepspeed_config:
+        raise ValueError("--config and --deepspeed-config: give one of them, not both")
+
+
+def check_batch(args: Any, config: Any) -> None:
+    """Checks that ``--batch`` splits over this process's devices and the accumulation steps.
+
+    Raises:
+      ValueError: ``--batch VALUE: must be a positive multiple of N (...)``.
+    """
+    import jax
+
+    n, k = jax.local_device_count(), config.gradient_accumulation_steps
+    if args.batch % (n * k):
+        why = f"{n} devices" + (f" x {k} gradient accumulation steps" if k > 1 else "")
+        raise _bad("batch", args.batch, f"a positive multiple of {n * k} (the batch is split over {why})")
