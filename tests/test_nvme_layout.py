@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
-from zinf_jax.tiers import NvmeTier, ShardSpec, TierError
+from zinf_jax.tiers import NvmeTier, ShardSpec, TierDataError, TierError
 from zinf_jax.tiers.direct import ALIGN, ChunkIO, aligned_empty, chunk_ranges
 
 CASES = [
@@ -48,9 +48,12 @@ def test_chunk_files_read_by_plain_tensorstore(tmp_path, shape, dtype, chunk_byt
         got = arr.read().result()
         want = np.stack([v + gen for v in vals])
         assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
-        arr[1].write(want[1] * 2).result()  # and the tier reads what tensorstore writes
-        assert tier.get("w", 1).result().tobytes() == (want[1] * 2).tobytes()
-        arr[1].write(want[1]).result()
+        arr[1].write(want[1] * 2).result()  # a write behind the tier's back fails its checksum...
+        damaged = r"shard 1 of 'w' is damaged: chunk file '[^']*/c/1\b[^']*' does not match"
+        with pytest.raises(TierDataError, match=damaged):
+            tier.get("w", 1).result()
+        arr[1].write(want[1]).result()  # ...and the bytes the tier wrote read back fine again
+        assert tier.get("w", 1).result().tobytes() == want[1].tobytes()
     tier.close()
     again = NvmeTier(tmp_path, process_index=0, chunk_bytes=chunk_bytes, direct_io=direct_io)
     assert again.get("w", 2).result().tobytes() == (vals[2] + 2).tobytes()

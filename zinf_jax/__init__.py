@@ -28,7 +28,7 @@ _EXPORTS = {
     "zinf_jax.engine.streamed": ("EngineError",),
     "zinf_jax.optim": ("adam", "adamw"),
     "zinf_jax.sharding": ("format_table", "make_mesh", "plan_partition"),
-    "zinf_jax.tiers": ("TierError",),
+    "zinf_jax.tiers": ("TierError", "TierDataError"),
     "zinf_jax.units": ("Plan", "UnitPolicy", "UnitPolicyError"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
@@ -55,5 +55,5 @@ __all__ = [
     "adam", "adamw",
     "make_mesh", "plan_partition", "format_table",
     "UnitPolicy", "Plan",
-    "ConfigError", "TierError", "UnitPolicyError", "ParamMismatchError", "EngineError", "CheckpointError",
+    "ConfigError", "TierError", "TierDataError", "UnitPolicyError", "ParamMismatchError", "EngineError", "CheckpointError",
 ]

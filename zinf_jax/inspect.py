@@ -1,4 +1,9 @@
-"""What a checkpoint or an nvme tier directory holds, as readable text."""
+"""What a checkpoint or an nvme tier directory holds, as readable text.
+
+A damaged tier manifest is reported as the tier's own
+:class:`~zinf_jax.tiers.base.TierDataError`, which names the file and what to
+do; this module never lets a bare decode error through.
+"""
 from __future__ import annotations
 
 import math
@@ -44,17 +49,22 @@ def describe_checkpoint(step_dir: Path) -> str:
 
 
 def describe_tier(tier_dir: Path) -> str:
-    """Keys, shard layouts, generation and metadata of nvme tier directories."""
+    """Keys, shard layouts, checksums, generation and metadata of nvme tier directories.
+
+    Raises:
+      TierDataError: a manifest is damaged.
+    """
     out = []
     for proc in sorted(tier_dir.rglob(MANIFEST)):
         man = read_manifest(proc.parent)
-        rows = [("key", "shards (local/total)", "shard shape", "dtype", "bytes", "slot")]
+        rows = [("key", "shards (local/total)", "shard shape", "dtype", "bytes", "slot", "checksums")]
         total = 0
         for key, v in man["keys"].items():
             spec = ShardSpec.from_json(v["spec"])
             b = spec.shard_nbytes * len(v["local"])
             total += b
-            rows.append((key, f"{len(v['local'])}/{spec.num_shards}", str(spec.shard_shape), spec.dtype, f"{b:,}", str(v["slot"])))
+            rows.append((key, f"{len(v['local'])}/{spec.num_shards}", str(spec.shard_shape), spec.dtype, f"{b:,}",
+                         str(v["slot"]), "yes" if v.get("checksums") is not None else "no"))
         meta = {k: v for k, v in man.get("metadata", {}).items()}
         out.append(f"nvme tier {proc.parent}: generation {man['generation']}, {len(man['keys'])} keys, "
                    f"{total:,} committed bytes, metadata {meta}\n" + (_table(rows) if len(rows) > 1 else ""))
@@ -68,6 +78,7 @@ def inspect_dir(directory: str | os.PathLike) -> str:
 
     Raises:
       CheckpointError: the directory holds neither.
+      TierDataError: a tier manifest is damaged (the message names it and what to do).
     """
     d = Path(directory)
     if not d.exists():

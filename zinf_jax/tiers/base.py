@@ -25,11 +25,18 @@ from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-__all__ = ["ShardSpec", "Tier", "ByteBudget", "TierError", "done_future", "np_dtype"]
+__all__ = ["ShardSpec", "Tier", "ByteBudget", "TierError", "TierDataError", "done_future", "np_dtype"]
 
 
 class TierError(RuntimeError):
     """A tier cannot do what was asked (bad path, lock held, disk full, unknown key)."""
+
+
+class TierDataError(TierError):
+    """A tier's committed state is damaged: a checksum mismatch, a missing file, an unreadable manifest.
+
+    The state cannot be used; it must be restored from a checkpoint (into an empty directory).
+    """
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

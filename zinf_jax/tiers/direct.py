@@ -18,20 +18,27 @@ caller's buffer: tensorstore's reader copies every chunk once more and reached
 only 74-78% of the raw disk on 256 MiB shards.
 
 Crash safety does not come from here: the tier only ever writes into the slot
-that the committed manifest does not name.
+that the committed manifest does not name. A write that fails removes its file
+(its content is undefined; on a full disk that frees its blocks at once) and
+raises an ``OSError`` naming it. Given a ``digest`` function (the tier's
+checksums), a chunk is hashed by a third pool: while it is written (the data
+is not changed meanwhile) or right after it was read, so the I/O threads never
+wait for the hash and the disk's queue stays full.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-__all__ = ["ChunkIO", "all_of", "chunk_ranges", "aligned_empty", "ZARR3_CODECS", "ZARR3_KEY_ENCODING", "ALIGN"]
+__all__ = ["ChunkIO", "all_of", "chunk_ranges", "chunk_files", "aligned_empty", "ZARR3_CODECS", "ZARR3_KEY_ENCODING",
+           "ALIGN"]
 
 ALIGN = 4096
 """Alignment of direct-I/O offsets, lengths and buffers (covers 512 B and 4 KiB sectors)."""
@@ -79,6 +86,14 @@ def chunk_ranges(shard_shape: Sequence[int], chunk_shape: Sequence[int]) -> Iter
             yield grid, base + k * chunk[cut] * inner, rows * inner, chunk[cut] * inner
 
 
+def chunk_files(base: Path, arr: np.ndarray, chunk_shape: Sequence[int]) -> list[tuple[Path, np.ndarray, int]]:
+    """``(file, bytes of arr in it, padded file size)`` per chunk of one shard stored under ``base`` (``.../c/<i>``)."""
+    flat = arr.reshape(-1).view(np.uint8)
+    size = arr.dtype.itemsize
+    return [(base.joinpath(*map(str, grid)), flat[start * size : (start + count) * size], padded * size)
+            for grid, start, count, padded in chunk_ranges(arr.shape, chunk_shape)]
+
+
 def all_of(futs: Sequence[Future]) -> Future:
     """A future resolving when all of ``futs`` have, with the first exception if any failed."""
     out: Future = Future()
@@ -111,7 +126,7 @@ class ChunkIO:
     """Thread pools reading and writing whole chunk files, with direct I/O where possible.
 
     Reads and writes have separate pools, so read-ahead never queues behind
-    write-behind (the optimizer does both at once).
+    write-behind (the optimizer does both at once); digests have a third.
 
     Args:
       read_threads: chunk files read at once.
@@ -124,14 +139,16 @@ class ChunkIO:
       direct_read: read with ``O_DIRECT`` too (cold reads measure the disk, not
         the page cache). Writes always try ``O_DIRECT``; a file system that
         refuses it (tmpfs) gets buffered I/O instead.
+      hash_threads: chunks hashed at once (a digest runs at tens of GB/s a thread).
     """
 
     def __init__(self, read_threads: int = 4, write_threads: int = 4, *, block_bytes: int = 8 << 20,
-                 stage_bytes: int = 2 << 20, sync: bool = True, direct_read: bool = False):
+                 stage_bytes: int = 2 << 20, sync: bool = True, direct_read: bool = False, hash_threads: int = 2):
         if block_bytes % ALIGN or stage_bytes % ALIGN or stage_bytes <= 0:
             raise ValueError(f"block_bytes and stage_bytes must be positive multiples of {ALIGN}")
         self._readers = ThreadPoolExecutor(max(1, int(read_threads)), thread_name_prefix="zinf-nvme-read")
         self._writers = ThreadPoolExecutor(max(1, int(write_threads)), thread_name_prefix="zinf-nvme-write")
+        self._hashers = ThreadPoolExecutor(max(1, int(hash_threads)), thread_name_prefix="zinf-nvme-hash")
         self._block, self._stage_bytes = int(block_bytes), int(stage_bytes)
         self._sync = bool(sync)
         self._direct = {"write": True, "read": bool(direct_read)}
@@ -142,16 +159,39 @@ class ChunkIO:
         """Whether writes bypass the page cache (false after a file system refused ``O_DIRECT``)."""
         return self._direct["write"]
 
-    def write(self, path: Path, data: np.ndarray, padded_nbytes: int) -> Future:
+    def write(self, path: Path, data: np.ndarray, padded_nbytes: int, *,
+              digest: Callable[[np.ndarray], str] | None = None) -> Future:
         """Writes ``data`` (contiguous uint8) as the file ``path``, in place, zero-padded to ``padded_nbytes``.
 
-        The caller keeps ``data`` unchanged until the future resolves.
+        The caller keeps ``data`` unchanged until the future resolves. It
+        resolves to ``digest(data)`` (hashed while the file is written), or to
+        ``None`` without ``digest``; on failure the file is removed and the
+        ``OSError`` names it.
         """
-        return self._writers.submit(self._write, path, data, padded_nbytes)
+        wrote = self._writers.submit(self._write, path, data, padded_nbytes)
+        if digest is None:
+            return wrote
+        return _both(wrote, self._hashers.submit(digest, data))
 
-    def read(self, path: Path, out: np.ndarray) -> Future:
-        """Reads the first ``out.nbytes`` bytes of the file ``path`` into ``out`` (contiguous uint8)."""
-        return self._readers.submit(self._read, path, out)
+    def read(self, path: Path, out: np.ndarray, *, digest: Callable[[np.ndarray], str] | None = None) -> Future:
+        """Reads the first ``out.nbytes`` bytes of the file ``path`` into ``out`` (contiguous uint8).
+
+        The future resolves to ``out``, or with ``digest`` to ``digest(out)``
+        (hashed once the read is done, while the reading thread reads on).
+        """
+        read = self._readers.submit(self._read, path, out)
+        if digest is None:
+            return read
+        hashed: Future = Future()
+
+        def then(f: Future) -> None:
+            if f.exception() is not None:
+                hashed.set_exception(f.exception())
+            else:
+                _chain(self._hashers.submit(digest, out), hashed)
+
+        read.add_done_callback(then)
+        return hashed
 
     # --- workers --------------------------------------------------------------
     def _stage(self) -> np.ndarray:
@@ -188,6 +228,14 @@ class ChunkIO:
         return min(self._stage_bytes, left), False
 
     def _write(self, path: Path, data: np.ndarray, padded: int) -> None:
+        try:
+            self._write_file(path, data, padded)
+        except OSError as e:
+            with contextlib.suppress(OSError):  # half written: useless, and on a full disk it holds the space
+                path.unlink()
+            raise OSError(e.errno, e.strerror, str(path)) from e
+
+    def _write_file(self, path: Path, data: np.ndarray, padded: int) -> None:
         fd, direct = self._open(path, "write")
         try:
             off = 0
@@ -235,5 +283,24 @@ class ChunkIO:
 
     def close(self) -> None:
         """Waits for queued I/O and stops the threads (their staging buffers go with them)."""
-        self._readers.shutdown(wait=True)
+        self._readers.shutdown(wait=True)  # (a finished read hands its hash on before its thread ends)
         self._writers.shutdown(wait=True)
+        self._hashers.shutdown(wait=True)
+
+
+def _chain(src: Future, dst: Future) -> None:
+    """Resolves ``dst`` like ``src`` once ``src`` is done."""
+    src.add_done_callback(lambda f: dst.set_exception(f.exception()) if f.exception() is not None
+                          else dst.set_result(f.result()))
+
+
+def _both(first: Future, second: Future) -> Future:
+    """A future resolving to ``second``'s result once both are done; ``first``'s error wins."""
+    out: Future = Future()
+
+    def done(_: Future) -> None:
+        err = first.exception() or second.exception()
+        out.set_exception(err) if err is not None else out.set_result(second.result())
+
+    all_of([first, second]).add_done_callback(done)
+    return out

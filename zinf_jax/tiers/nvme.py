@@ -11,26 +11,37 @@ to the slot the manifest does *not* point at; :meth:`NvmeTier.commit` waits for
 the (fsynced) writes and then replaces the manifest atomically (write, fsync,
 rename, fsync the directory). A process killed at any moment therefore leaves
 the last committed generation readable and bitwise intact.
+
+Integrity (:mod:`zinf_jax.tiers.checksum`): every chunk file's digest is
+computed on the write path, published by the commit in the same manifest that
+names the slot, and verified on every read; a changed, truncated or missing
+file is a :class:`~zinf_jax.tiers.base.TierDataError` naming key, shard and
+file. A write that fails (a full disk) removes its partial file at once and
+makes the generation uncommittable; :meth:`NvmeTier.commit` and
+:meth:`NvmeTier.close` then delete the whole uncommitted slot, never the
+committed one.
 """
 from __future__ import annotations
 
-import errno
-import fcntl
 import os
 import shutil
 import threading
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import tensorstore as ts
 
 from zinf_jax.tiers.base import ByteBudget, ShardSpec, TierError, np_dtype
-from zinf_jax.tiers.direct import ZARR3_CODECS, ZARR3_KEY_ENCODING, ChunkIO, aligned_empty, all_of, chunk_ranges
+from zinf_jax.tiers.checksum import ALGORITHM, ShardSums, damaged, diagnose, digest
+from zinf_jax.tiers.direct import ChunkIO, aligned_empty, all_of, chunk_files
 from zinf_jax.tiers.nvme_layout import (
-    FORMAT, MANIFEST, check_dir, chunk_shape, key_dir, load_manifest, read_manifest, syncfs, write_manifest,
+    FORMAT, MANIFEST, SlotArrays, check_dir, io_error, load_manifest, lock_dir, read_manifest, syncfs, unlock,
+    write_manifest,
 )
+
+_ChunkFiles = list[tuple[Path, np.ndarray, int]]  # (chunk file, the shard's bytes in it, file size)
 
 __all__ = ["NvmeTier", "read_manifest", "MANIFEST"]
 
@@ -56,10 +67,14 @@ class NvmeTier:
         tensorstore's own (C++) I/O instead: on many small files the per-file
         Python work of the direct path, contending with the training loop for
         the GIL, cost more than the copy (the 8-device demo job ran 35% slower).
+      checksums: compute a digest of every chunk file on write, commit it with
+        the data and verify it on every read (default). ``False`` does
+        neither (benchmarks only): shards it commits are read unverified.
 
     Raises:
       TierError: the path is missing, not a directory or not writable, or
         another job holds its lock.
+      TierDataError: the manifest is damaged (the message names it).
     """
 
     kind = "nvme"
@@ -76,6 +91,7 @@ class NvmeTier:
         read_threads: int = 4,
         write_threads: int = 4,
         direct_min_bytes: int = 1 << 20,
+        checksums: bool = True,
     ):
         if sync not in (True, False, "write", "commit"):  # before the lock is taken
             raise ValueError(f"nvme tier sync must be 'commit', 'write' (True) or False, got {sync!r}")
@@ -87,41 +103,23 @@ class NvmeTier:
             process_index = jax.process_index()
         self.dir = root / f"process_{process_index}"
         self.dir.mkdir(exist_ok=True)
-        self._lockf = open(self.dir / "LOCK", "a+")
+        self._lockf = lock_dir(self.dir)
         try:
-            fcntl.flock(self._lockf, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lockf.seek(0)
-            holder = self._lockf.read().strip() or "another process"
-            self._lockf.close()
-            raise TierError(
-                f"nvme tier: {str(self.dir)!r} is locked by {holder}; another job is using this directory. "
-                "Stop it or give this job its own offload path."
-            ) from None
-        self._lockf.seek(0)
-        self._lockf.truncate()
-        self._lockf.write(f"pid {os.getpid()}\n")
-        self._lockf.flush()
-
-        try:
-            self._generation, self._meta, self._specs, self._local, self._slot = load_manifest(self.dir)
+            state = load_manifest(self.dir)
         except TierError:
-            fcntl.flock(self._lockf, fcntl.LOCK_UN)
-            self._lockf.close()
+            unlock(self._lockf)
             raise
+        self._generation, self._meta, self._specs = state.generation, state.metadata, state.specs
+        self._local, self._slot = state.local, state.slot
+        self._checksums = bool(checksums)
+        self._sums = ShardSums(state.sums)
         self.budget = ByteBudget(max_in_flight_bytes)
-        self._chunk_bytes = int(chunk_bytes)
         self._sync_at_commit = sync == "commit"
         self._io = ChunkIO(read_threads, write_threads, sync=sync in (True, "write"), direct_read=direct_io)
+        self._arrays = SlotArrays(self.dir, chunk_bytes, sync=sync in (True, "write"), direct_io=direct_io)
         self._direct_min = int(direct_min_bytes)
-        ctx: dict[str, Any] = {"cache_pool": {"total_bytes_limit": 0}, "file_io_sync": sync in (True, "write"),
-                               "file_io_concurrency": {"limit": 32}}
-        if direct_io:
-            ctx["file_io_mode"] = {"mode": "direct"}
-        self._ctx = ts.Context(ctx)
         self._pending_slot: dict[str, int] = {}
         self._written: dict[str, set[int]] = {}
-        self._handles: dict[tuple[str, int], ts.TensorStore] = {}
         self._inflight: dict[tuple[str, int], Future] = {}
         self._futures: set[Future] = set()
         self._failed: list[TierError] = []  # write errors of this generation; commit refuses while any
@@ -161,63 +159,49 @@ class NvmeTier:
         return list(self._local[key])
 
     def _array(self, key: str, slot: int, *, fresh: bool = False) -> ts.TensorStore:
-        h = self._handles.get((key, slot))
-        if h is not None:
-            return h
-        spec = self._specs[key]
-        meta: dict[str, Any] = {"shape": [spec.num_shards, *spec.shard_shape], "data_type": spec.dtype}
-        if fresh:  # an existing array keeps the chunking it was created with
-            chunk = chunk_shape(spec.shard_shape, np.dtype(np_dtype(spec.dtype)).itemsize, self._chunk_bytes)
-            meta["chunk_grid"] = {"name": "regular", "configuration": {"chunk_shape": [1, *chunk]}}
-            meta["chunk_key_encoding"] = ZARR3_KEY_ENCODING
-            meta["codecs"] = ZARR3_CODECS
-        ts_spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(self._slot_dir(key, slot))}, "metadata": meta}
         try:
-            if fresh:  # an uncommitted slot: reuse its files if the layout matches, else start over
-                try:
-                    h = ts.open(ts_spec, open=True, context=self._ctx).result()
-                except ValueError:
-                    h = ts.open(ts_spec, create=True, delete_existing=True, context=self._ctx).result()
-            else:
-                h = ts.open(ts_spec, open=True, context=self._ctx).result()
+            return self._arrays.open(key, self._specs[key], slot, fresh=fresh)
         except Exception as e:  # tensorstore raises ValueError/OSError subclasses
-            raise self._error(e, "opening", key, None) from e
-        self._handles[(key, slot)] = h
-        return h
+            raise self._error(e, "opening", key, None, self._arrays.slot_dir(key, slot)) from e
 
-    def _slot_dir(self, key: str, slot: int) -> Path:
-        return self.dir / "data" / key_dir(key) / f"s{slot}"
-
-    def _error(self, e: Exception, what: str, key: str, index: int | None) -> TierError:
-        msg = str(e)
+    def _error(self, e: Exception, what: str, key: str, index: int | None, file: Path | None = None) -> TierError:
         where = f"{key!r}" + ("" if index is None else f" shard {index}")
-        if "No space left" in msg or "ENOSPC" in msg or getattr(e, "errno", None) == errno.ENOSPC:
-            return TierError(
-                f"nvme tier: disk full while {what} {where} under {str(self.dir)!r}. The committed state "
-                f"(generation {self._generation}) is intact; free space or use a larger disk for the offload path."
-            )
-        return TierError(f"nvme tier: {what} {where} under {str(self.dir)!r} failed: {msg}")
+        return io_error(e, what, where, self.dir, self._generation, file)
+
+    def _read_error(self, e: Exception | None, key: str, index: int, slot: int, files: _ChunkFiles,
+                    want: Sequence[str] | None = None, got: Sequence[str] | None = None) -> TierError:
+        """A failed or unverified read: what is damaged (naming the file), else the I/O error ``e``."""
+        what = diagnose(self._arrays.slot_dir(key, slot), [(p, n) for p, _, n in files], want, got, e is None)
+        if what is None:
+            return self._error(e, "reading", key, index)
+        return damaged(self.dir, self._generation, key, index, what)
 
     # --- I/O ----------------------------------------------------------------
-    def _track(self, tsfut: Any, nbytes: int, what: str, key: str, index: int, result: Any = None) -> Future:
+    def _track(self, parts: Sequence[Any], nbytes: int, what: str, key: str, index: int,
+               finish: Callable[[Sequence[Any]], Any], file: Path | None = None) -> Future:
+        """A future for ``finish(parts)`` once all ``parts`` are done; errors become :class:`TierError`."""
         cf: Future = Future()
 
-        def done(f: Any) -> None:
+        def done(_: Any) -> None:
             self.budget.release(nbytes)
             try:
-                value = f.result()
-                cf.set_result(value if result is None else result)
+                value = finish(parts)
+            except TierError as e:
+                err = e
             except Exception as e:  # noqa: BLE001 - re-raised through the future
-                err = self._error(e, what, key, index)
-                if what == "writing":  # recorded before the future (and its discard) completes
-                    with self._lock:
-                        self._failed.append(err)
-                cf.set_exception(err)
+                err = self._error(e, what, key, index, file)
+            else:
+                cf.set_result(value)
+                return
+            if what == "writing":  # recorded before the future (and its discard) completes
+                with self._lock:
+                    self._failed.append(err)
+            cf.set_exception(err)
 
         with self._lock:
             self._futures.add(cf)
         cf.add_done_callback(lambda f: self._discard(f))
-        tsfut.add_done_callback(done)
+        all_of(parts).add_done_callback(done)
         return cf
 
     def _discard(self, f: Future) -> None:
@@ -238,58 +222,57 @@ class NvmeTier:
         if arr.shape != spec.shard_shape:
             raise TierError(f"nvme tier: shard of {key!r} has shape {arr.shape}, declared {spec.shard_shape}")
         with self._lock:
-            slot = self._pending_slot.get(key)
-            fresh = slot is None
-            if fresh:
-                slot = 1 - self._slot.get(key, 1)
-                self._pending_slot[key] = slot
+            slot = self._pending_slot.setdefault(key, 1 - self._slot.get(key, 1))
             self._written.setdefault(key, set()).add(index)
             self.bytes_written += arr.nbytes
-        try:
-            h = self._array(key, slot, fresh=fresh and (key, slot) not in self._handles)
+        try:  # (no handle yet: the first put of this generation, or one after a failed open)
+            h = self._array(key, slot, fresh=not self._arrays.has(key, slot))
         except TierError as err:
             with self._lock:
                 self._failed.append(err)
             raise
+        files = self._chunk_files(key, slot, index, h, arr)
+        small = spec.shard_nbytes < self._direct_min
+        sums = [digest(d) for _, d, _ in files] if small and self._checksums else None
         self.budget.acquire(arr.nbytes)
         try:
-            if spec.shard_nbytes < self._direct_min:
-                parts = [h[index].write(arr).commit]
-            else:
-                parts = self._write_chunks(key, slot, index, h, arr)
+            parts = [h[index].write(arr).commit] if small else self._write_chunks(files)
         except Exception as e:
             self.budget.release(arr.nbytes)
-            err = self._error(e, "writing", key, index)
+            err = self._error(e, "writing", key, index, files[0][0])
             with self._lock:
                 self._failed.append(err)
             raise err from e
-        fut = self._track(all_of(parts), arr.nbytes, "writing", key, index)
+
+        def finish(done: Sequence[Any]) -> None:
+            got = [f.result() for f in done]
+            if self._checksums:  # recorded before the write's future resolves: a read of it verifies
+                self._sums.record(key, index, got if sums is None else sums)
+
+        fut = self._track(parts, arr.nbytes, "writing", key, index, finish, files[0][0])
         with self._lock:
             self._inflight[(key, index)] = fut
         return fut
 
-    def _chunk_files(
-        self, key: str, slot: int, index: int, h: ts.TensorStore, arr: np.ndarray
-    ) -> Iterator[tuple[Path, np.ndarray, int]]:
+    def _chunk_files(self, key: str, slot: int, index: int, h: ts.TensorStore, arr: np.ndarray) -> _ChunkFiles:
         """``(file, bytes of arr, padded file size)`` per chunk of shard ``index``, as the array was created."""
         chunk = list(h.chunk_layout.write_chunk.shape)[1:]
-        flat = arr.reshape(-1).view(np.uint8)
-        size = arr.dtype.itemsize
-        base = self._slot_dir(key, slot) / "c" / str(index)
-        for grid, start, count, padded in chunk_ranges(arr.shape, chunk):
-            yield base.joinpath(*map(str, grid)), flat[start * size : (start + count) * size], padded * size
+        return chunk_files(self._arrays.slot_dir(key, slot) / "c" / str(index), arr, chunk)
 
-    def _write_chunks(self, key: str, slot: int, index: int, h: ts.TensorStore, arr: np.ndarray) -> list[Future]:
+    def _write_chunks(self, files: _ChunkFiles) -> list[Future]:
+        hash_ = digest if self._checksums else None
         futs = []
-        for path, data, padded in self._chunk_files(key, slot, index, h, arr):
+        for path, data, padded in files:
             path.parent.mkdir(parents=True, exist_ok=True)
-            futs.append(self._io.write(path, data, padded))
+            futs.append(self._io.write(path, data, padded, digest=hash_))
         return futs
 
-    def _read_slot(self, key: str, index: int) -> int:
+    def _read_slot(self, key: str, index: int) -> tuple[int, list[str] | None]:
+        """The slot holding the newest data of a shard, and its stored digests (waits for its write)."""
         with self._lock:
             pending = self._inflight.get((key, index))
-            if index in self._written.get(key, ()):
+            mine = index in self._written.get(key, ())
+            if mine:
                 slot = self._pending_slot[key]
             elif key in self._slot:
                 slot = self._slot[key]
@@ -297,12 +280,15 @@ class NvmeTier:
                 raise TierError(f"nvme tier: no data for shard {index} of {key!r} in {str(self.dir)!r}")
         if pending is not None:
             pending.result()
-        return slot
+        return slot, (self._sums.expected(key, index, pending=mine) if self._checksums else None)
 
     def get(self, key: str, index: int, *, out: np.ndarray | None = None) -> Future:
         spec = self._check(key, index)
-        slot = self._read_slot(key, index)
-        h = self._array(key, slot)
+        slot, want = self._read_slot(key, index)
+        try:
+            h = self._array(key, slot)
+        except TierError as e:
+            raise self._read_error(e, key, index, slot, []) from e
         dtype = np_dtype(spec.dtype)
         if out is None:  # page-aligned, so direct reads land in it without a copy
             out = aligned_empty(spec.shard_nbytes).view(dtype).reshape(spec.shard_shape)
@@ -311,18 +297,32 @@ class NvmeTier:
                 f"nvme tier: out for {key!r} must be a C-contiguous {spec.dtype} array of shape "
                 f"{spec.shard_shape}, got {out.dtype} {out.shape}"
             )
+        files = self._chunk_files(key, slot, index, h, out)
+        small = spec.shard_nbytes < self._direct_min
         self.budget.acquire(spec.shard_nbytes)
         with self._lock:
             self.bytes_read += spec.shard_nbytes
         try:
-            if spec.shard_nbytes < self._direct_min:
-                futs = [ts.array(out, copy=False, write=True).write(h[index]).commit]
-            else:
-                futs = [self._io.read(path, data) for path, data, _ in self._chunk_files(key, slot, index, h, out)]
-            return self._track(all_of(futs), spec.shard_nbytes, "reading", key, index, result=out)
+            if small:
+                parts = [ts.array(out, copy=False, write=True).write(h[index]).commit]
+            else:  # with digests to check, each reading thread hashes its chunk
+                parts = [self._io.read(path, data, digest=digest if want else None) for path, data, _ in files]
         except Exception as e:
             self.budget.release(spec.shard_nbytes)
             raise self._error(e, "reading", key, index) from e
+
+        def finish(done: Sequence[Any]) -> np.ndarray:
+            try:
+                got = [f.result() for f in done]
+            except Exception as e:
+                raise self._read_error(e, key, index, slot, files) from e
+            if want is not None:
+                sums = [digest(d) for _, d, _ in files] if small else got
+                if sums != want:
+                    raise self._read_error(None, key, index, slot, files, want, sums)
+            return out
+
+        return self._track(parts, spec.shard_nbytes, "reading", key, index, finish)
 
     # --- commit -------------------------------------------------------------
     def wait(self) -> None:
@@ -364,8 +364,9 @@ class NvmeTier:
         slots = {**self._slot, **self._pending_slot}
         man = {
             "format": FORMAT,
+            "checksum": ALGORITHM,
             "generation": self._generation + 1,
-            "keys": {k: {"slot": slots[k], "spec": self._specs[k].to_json(), "local": self._local[k]} for k in slots},
+            "keys": {k: self._manifest_entry(k, slots[k]) for k in slots},
             "metadata": dict(self._meta if metadata is None else metadata),
         }
         try:
@@ -373,12 +374,20 @@ class NvmeTier:
         except OSError as e:
             self._abort()
             raise self._error(e, "committing", "MANIFEST", None) from e
+        self._sums.publish(self._pending_slot)
         self._generation += 1
         self._slot = slots
         self._meta = man["metadata"]
         self._pending_slot.clear()
         self._written.clear()
         self._inflight.clear()
+
+    def _manifest_entry(self, key: str, slot: int) -> dict[str, Any]:
+        entry = {"slot": slot, "spec": self._specs[key].to_json(), "local": self._local[key]}
+        sums = self._sums.manifest_entry(key, self._local[key], rewritten=key in self._pending_slot)
+        if sums is not None:  # the digests of exactly the data in ``slot``
+            entry["checksums"] = sums
+        return entry
 
     def _abort(self) -> None:
         """Drops the uncommitted generation and deletes its slots to free their space.
@@ -396,9 +405,9 @@ class NvmeTier:
             self._written.clear()
             self._inflight.clear()
             self._failed.clear()
+        self._sums.drop_pending()
         for key, slot in dead.items():
-            self._handles.pop((key, slot), None)
-            shutil.rmtree(self.dir / "data" / key_dir(key) / f"s{slot}", ignore_errors=True)
+            self._arrays.delete(key, slot)
 
     def metadata(self) -> dict[str, Any]:
         return dict(self._meta)
@@ -417,7 +426,9 @@ class NvmeTier:
             return
         try:
             self.wait()
+        except TierError:
+            self._abort()  # a generation with a failed write can never commit: free its files now
+            raise
         finally:
             self._io.close()
-            fcntl.flock(self._lockf, fcntl.LOCK_UN)
-            self._lockf.close()
+            unlock(self._lockf)

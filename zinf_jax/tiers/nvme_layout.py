@@ -1,66 +1,123 @@
-"""The NVMe tier's directory layout: path checks, key paths, chunk shapes, the manifest.
+"""The NVMe tier's directory layout: path checks, the lock, key paths, chunk shapes, slot arrays, the manifest.
 
 Layout under ``path`` (each process of a job owns one subdirectory, on its own
 host's disk)::
 
     path/process_<p>/LOCK            exclusive flock held while the tier is open
-    path/process_<p>/MANIFEST.json   committed generation: key -> slot, specs, metadata
+    path/process_<p>/MANIFEST.json   committed generation: key -> slot, spec, local shards,
+                                     checksums (per shard, one digest per chunk file); metadata
     path/process_<p>/data/<key>/s0   zarr3 array (num_shards, *shard_shape), chunk = one shard
                                      (cut along leading dims into pieces of <= chunk_bytes)
     path/process_<p>/data/<key>/s1   the other slot
 
 The manifest is only ever replaced whole (:func:`write_manifest`: write, fsync,
-rename, fsync the directory), so it always names one complete generation.
+rename, fsync the directory), so it always names one complete generation, with
+the checksums of exactly that generation's data (:mod:`zinf_jax.tiers.checksum`).
+A manifest that does not parse is a :class:`~zinf_jax.tiers.base.TierDataError`
+naming the file, never a bare decode error.
 """
 from __future__ import annotations
 
+import dataclasses
+import errno
+import fcntl
 import json
 import math
 import os
 import re
+import shutil
 import threading
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import IO, Any, Mapping, Sequence
 
 import numpy as np
+import tensorstore as ts
 
-from zinf_jax.tiers.base import ShardSpec, TierError
-from zinf_jax.tiers.direct import ALIGN
+from zinf_jax.tiers.base import ShardSpec, TierDataError, TierError, np_dtype
+from zinf_jax.tiers.checksum import ALGORITHM
+from zinf_jax.tiers.direct import ALIGN, ZARR3_CODECS, ZARR3_KEY_ENCODING
 
-__all__ = ["MANIFEST", "FORMAT", "read_manifest", "load_manifest", "write_manifest", "check_dir", "chunk_shape", "syncfs", "key_dir"]
+__all__ = ["MANIFEST", "FORMAT", "Committed", "read_manifest", "load_manifest", "lock_dir", "unlock", "SlotArrays",
+           "io_error", "write_manifest", "check_dir", "chunk_shape", "syncfs", "key_dir"]
 
 MANIFEST = "MANIFEST.json"
 FORMAT = "zinf_jax.nvme/1"
 
 
+@dataclasses.dataclass
+class Committed:
+    """What a manifest says: the committed generation of one process directory."""
+
+    generation: int
+    metadata: dict[str, Any]
+    specs: dict[str, ShardSpec]
+    local: dict[str, list[int]]
+    """Shard indices of each key stored by this process."""
+    slot: dict[str, int]
+    """The committed slot (0 or 1) of each key."""
+    sums: dict[str, dict[int, list[str]]]
+    """Digests of each shard's chunk files, for the keys committed with checksums."""
+
+
+def _damaged_manifest(path: Path, why: str) -> TierDataError:
+    return TierDataError(
+        f"nvme tier: manifest {str(path)!r} is unreadable ({why}); it is only ever replaced whole, so it was "
+        f"damaged or edited outside zinf_jax and the tier's state cannot be trusted: delete {str(path.parent)!r} "
+        "(or use an empty offload path) and restore from a checkpoint with --resume."
+    )
+
+
+def _check_manifest(man: Any) -> None:
+    """Raises ``ValueError`` unless ``man`` has the manifest's structure."""
+    if not isinstance(man, dict) or not isinstance(man.get("keys"), dict) or not isinstance(man.get("generation"), int):
+        raise ValueError("not a manifest object with 'generation' and 'keys'")
+    if not isinstance(man.get("metadata", {}), dict):
+        raise ValueError("'metadata' is not an object")
+    if man.get("checksum", ALGORITHM) != ALGORITHM:
+        raise ValueError(f"checksums of kind {man['checksum']!r}, this version reads {ALGORITHM!r}")
+    for key, v in man["keys"].items():
+        if not isinstance(v, dict) or v.get("slot") not in (0, 1) or not isinstance(v.get("local"), list):
+            raise ValueError(f"entry of key {key!r} has no slot 0/1 or no local shard list")
+        sums = v.get("checksums")
+        if sums is not None and (not isinstance(sums, dict) or {str(i) for i in v["local"]} != set(sums)):
+            raise ValueError(f"checksums of key {key!r} do not list its local shards")
+        ShardSpec.from_json(v["spec"])
+
+
 def read_manifest(process_dir: str | os.PathLike) -> dict[str, Any]:
-    """The committed manifest of one process directory (empty state if none)."""
+    """The committed manifest of one process directory (empty state if none).
+
+    Raises:
+      TierDataError: the manifest is empty, not JSON or not a manifest; the
+        message names the file and what to do.
+    """
     p = Path(process_dir) / MANIFEST
     if not p.exists():
         return {"format": FORMAT, "generation": 0, "keys": {}, "metadata": {}}
-    with open(p) as f:
-        return json.load(f)
+    try:
+        with open(p, "rb") as f:
+            man = json.loads(f.read().decode("utf-8"))
+        _check_manifest(man)
+    except (OSError, ValueError, KeyError, TypeError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise _damaged_manifest(p, f"{type(e).__name__}: {e}") from e
+    return man
 
 
-def load_manifest(process_dir: Path) -> tuple[int, dict[str, Any], dict[str, ShardSpec], dict[str, list[int]],
-                                               dict[str, int]]:
-    """Generation, metadata, and per key spec, local shard indices and committed slot.
+def load_manifest(process_dir: Path) -> Committed:
+    """The committed state a process directory's manifest names.
 
     Raises:
-      TierError: the manifest cannot be parsed (it is only ever replaced whole:
-        edited or damaged by something else).
+      TierDataError: the manifest cannot be parsed.
     """
-    try:
-        man = read_manifest(process_dir)
-        keys = man["keys"]
-        return (int(man["generation"]), dict(man.get("metadata", {})),
-                {k: ShardSpec.from_json(v["spec"]) for k, v in keys.items()},
-                {k: list(v["local"]) for k, v in keys.items()}, {k: int(v["slot"]) for k, v in keys.items()})
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise TierError(
-            f"nvme tier: {str(Path(process_dir) / MANIFEST)!r} is unreadable ({type(e).__name__}: {e}); "
-            "restore from a checkpoint into an empty offload path"
-        ) from e
+    man = read_manifest(process_dir)
+    keys = man["keys"]
+    return Committed(
+        generation=int(man["generation"]), metadata=dict(man.get("metadata", {})),
+        specs={k: ShardSpec.from_json(v["spec"]) for k, v in keys.items()},
+        local={k: [int(i) for i in v["local"]] for k, v in keys.items()},
+        slot={k: int(v["slot"]) for k, v in keys.items()},
+        sums={k: {int(i): list(d) for i, d in v["checksums"].items()} for k, v in keys.items() if v.get("checksums")},
+    )
 
 
 def check_dir(root: Path) -> None:
@@ -133,3 +190,108 @@ def write_manifest(process_dir: Path, manifest: Mapping[str, Any]) -> None:
         os.fsync(dfd)
     finally:
         os.close(dfd)
+
+
+def lock_dir(process_dir: Path) -> IO[str]:
+    """Takes the exclusive lock of a process directory; the open LOCK file (holding our pid) keeps it.
+
+    Raises:
+      TierError: another process or tier holds it (the message names the holder's pid).
+    """
+    f = open(process_dir / "LOCK", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise TierError(
+            f"nvme tier: {str(process_dir)!r} is locked by {holder}; another job is using this directory. "
+            "Stop it or give this job its own offload path."
+        ) from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()}\n")
+    f.flush()
+    return f
+
+
+def unlock(f: IO[str]) -> None:
+    """Releases a lock taken by :func:`lock_dir`."""
+    fcntl.flock(f, fcntl.LOCK_UN)
+    f.close()
+
+
+class SlotArrays:
+    """The tensorstore ``zarr3`` arrays of a process directory's slots, opened once and kept.
+
+    Args:
+      process_dir: the process directory.
+      chunk_bytes: chunk size limit of newly created arrays.
+      sync: tensorstore fsyncs what it writes.
+      direct_io: tensorstore reads with ``O_DIRECT``.
+    """
+
+    def __init__(self, process_dir: Path, chunk_bytes: int, *, sync: bool, direct_io: bool):
+        self.dir = process_dir
+        self._chunk_bytes = int(chunk_bytes)
+        ctx: dict[str, Any] = {"cache_pool": {"total_bytes_limit": 0}, "file_io_sync": sync,
+                               "file_io_concurrency": {"limit": 32}}
+        if direct_io:
+            ctx["file_io_mode"] = {"mode": "direct"}
+        self._ctx = ts.Context(ctx)
+        self._handles: dict[tuple[str, int], ts.TensorStore] = {}
+
+    def slot_dir(self, key: str, slot: int) -> Path:
+        """The array directory of one slot of ``key``."""
+        return self.dir / "data" / key_dir(key) / f"s{slot}"
+
+    def has(self, key: str, slot: int) -> bool:
+        """Whether the array of this slot is open."""
+        return (key, slot) in self._handles
+
+    def open(self, key: str, spec: ShardSpec, slot: int, *, fresh: bool = False) -> ts.TensorStore:
+        """The array of a slot; ``fresh`` (an uncommitted slot): reuse its files if the layout matches, else start over.
+
+        Raises:
+          ValueError, OSError: tensorstore's errors (a missing array, a full disk).
+        """
+        h = self._handles.get((key, slot))
+        if h is not None:
+            return h
+        meta: dict[str, Any] = {"shape": [spec.num_shards, *spec.shard_shape], "data_type": spec.dtype}
+        if fresh:  # an existing array keeps the chunking it was created with
+            chunk = chunk_shape(spec.shard_shape, np.dtype(np_dtype(spec.dtype)).itemsize, self._chunk_bytes)
+            meta["chunk_grid"] = {"name": "regular", "configuration": {"chunk_shape": [1, *chunk]}}
+            meta["chunk_key_encoding"] = ZARR3_KEY_ENCODING
+            meta["codecs"] = ZARR3_CODECS
+        kvstore = {"driver": "file", "path": str(self.slot_dir(key, slot))}
+        ts_spec = {"driver": "zarr3", "kvstore": kvstore, "metadata": meta}
+        try:
+            h = ts.open(ts_spec, open=True, context=self._ctx).result()
+        except ValueError:
+            if not fresh:
+                raise
+            h = ts.open(ts_spec, create=True, delete_existing=True, context=self._ctx).result()
+        self._handles[(key, slot)] = h
+        return h
+
+    def delete(self, key: str, slot: int) -> None:
+        """Forgets a slot's array and deletes its files (only ever an uncommitted slot)."""
+        self._handles.pop((key, slot), None)
+        shutil.rmtree(self.slot_dir(key, slot), ignore_errors=True)
+
+
+def io_error(e: BaseException, what: str, where: str, process_dir: Path, generation: int,
+             file: str | os.PathLike | None = None) -> TierError:
+    """A failed read, write or open as a :class:`TierError` naming the file; a full disk says so."""
+    msg = str(e)
+    file = getattr(e, "filename", None) or file
+    where += "" if file is None else f" (file {str(file)!r})"
+    if "No space left" in msg or "ENOSPC" in msg or getattr(e, "errno", None) == errno.ENOSPC:
+        return TierError(
+            f"nvme tier: disk full while {what} {where} under {str(process_dir)!r}. The committed state (generation "
+            f"{generation}) is intact and the failed generation's files are deleted when the tier is committed or "
+            "closed; free space or use a larger disk for the offload path."
+        )
+    return TierError(f"nvme tier: {what} {where} under {str(process_dir)!r} failed: {msg}")
