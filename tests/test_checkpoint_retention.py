@@ -102,6 +102,7 @@ TINY = ["--d-model", "32", "--n-layers", "2", "--seq", "32", "--batch", "8", "--
         "--param-device", "cpu", "--optimizer-device", "cpu"]
 
 
+@pytest.mark.slow
 def test_cli_keep(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(["train", "--run-dir", str(run), *TINY, "--steps", "5", "--save-every", "2", "--keep", "1"]) == 0

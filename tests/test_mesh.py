@@ -80,8 +80,8 @@ def assert_matches(reference, losses, params):
 @pytest.mark.parametrize("shape, names, zero_axes, shards, entry", [
     ((2, 4), ("data", "fsdp"), ("fsdp",), 4, "fsdp"),              # ZeRO over fsdp, replicas over data
     ((2, 4), ("replica", "shard"), None, 8, ("replica", "shard")),  # default: every axis
-    ((2, 4), ("replica", "shard"), ("shard",), 4, "shard"),
-    ((2, 2, 2), ("a", "b", "c"), ("c", "a"), 4, ("c", "a")),        # several axes, not in mesh order
+    pytest.param((2, 4), ("replica", "shard"), ("shard",), 4, "shard", marks=pytest.mark.slow),
+    pytest.param((2, 2, 2), ("a", "b", "c"), ("c", "a"), 4, ("c", "a"), marks=pytest.mark.slow),  # not in mesh order
 ])
 def test_own_mesh_trains_like_optax(reference, shape, names, zero_axes, shards, entry):
     mesh = mesh_of(shape, names, auto=names != ("replica", "shard"))

@@ -74,6 +74,7 @@ def _one_process_restore(ckpt):
         eng.close()
 
 
+@pytest.mark.slow  # ~20-40 s; the default suite keeps tests/test_multiprocess.py
 def test_two_processes_save_and_restore(tmp_path):
     ckpt = tmp_path / "ckpt"
     outs = _results(_start(ckpt, "save"))
