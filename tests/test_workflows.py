@@ -326,3 +326,18 @@ def traverse_flat(tree):
     from flax import traverse_util
 
     return traverse_util.flatten_dict(tree)
+
+
+def test_estimate_counts_optimizer_state_of_trained_params_only():
+    from zinf_jax.estimate import estimate_from_model
+
+    cfg = zinf.ZeroConfig(persistence_threshold=600)
+    est = {(e.param_tier, e.optimizer_tier): e for e in estimate_from_model(
+        lora_ctor, config=cfg, batch=8, seq=CFG.seq, trainable=nnx.LoRAParam,
+        configurations=[("cpu", "cpu"), ("cpu", "none")])}
+    eng = zinf.initialize(lora_ctor, config=cfg, loss_fn=lm_loss, trainable=nnx.LoRAParam)
+    measured = eng.opt_tier.stored_bytes()  # master + m + v of the adapters, as the engine holds them
+    eng.close()
+    assert est[("cpu", "cpu")].breakdown["host.optimizer_state"] == measured
+    assert est[("cpu", "none")].breakdown["device.optimizer_state"] == measured  # offload_optimizer none: on device
+    assert "host.optimizer_state" not in est[("cpu", "none")].breakdown

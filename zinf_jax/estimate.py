@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zinf_jax.config import ZeroConfig
-from zinf_jax.engine.wrap import make_adapter
+from zinf_jax.engine.wrap import make_adapter, trainable_paths
 from zinf_jax.optim.subgroups import sub_groups
 from zinf_jax.sharding import local_shard_devices, make_mesh, plan_partition
 from zinf_jax.tiers.nvme_layout import chunk_shape
@@ -174,11 +174,11 @@ def _simulate(d: _Digest, depth: int, max_live: int | None, offload: bool) -> tu
 
 
 def _estimate(d: _Digest, config: ZeroConfig, pt: str, ot: str, platform: str) -> MemoryEstimate:
-    if pt not in ("none", "cpu", "nvme") or (ot := "cpu" if ot == "none" else ot) not in ("cpu", "nvme"):
-        raise ValueError(f"configuration ({pt!r}, {ot!r}): param tier none|cpu|nvme, optimizer tier cpu|nvme")
+    if pt not in ("none", "cpu", "nvme") or ot not in ("none", "cpu", "nvme"):
+        raise ValueError(f"configuration ({pt!r}, {ot!r}): param tier none|cpu|nvme, optimizer tier none|cpu|nvme")
     stream, host_fb = _simulate(d, config.prefetch_depth, config.max_live_bytes, config.offload_activations)
     on_dev, cpu_p, cpu_o = d.store if pt == "none" else 0, d.store if pt == "cpu" else 0, d.opt if ot == "cpu" else 0
-    fixed = {"unit_state": d.rests, "persistent_params": d.glue}
+    fixed = {"unit_state": d.rests, "persistent_params": d.glue, "optimizer_state": d.opt if ot == "none" else 0}
     dev = {**stream, **fixed, "param_tier": on_dev}  # the stream's peak; the optimizer step adds nothing on device
 
     def per_device(items: Mapping[str, int]) -> int:
@@ -294,7 +294,7 @@ def estimate_from_model(
     model: Callable[[], Any] | Any, *, config: ZeroConfig | None = None, mesh: Any = None, batch: int | None = None,
     seq: int | None = None, init_args: tuple = (), init_kwargs: Mapping[str, Any] | None = None,
     loss_fn: Callable | None = None, example_batch: Any = None, unit_policy: Any = None,
-    configurations: Iterable[tuple[str, str]] = CONFIGURATIONS,
+    configurations: Iterable[tuple[str, str]] = CONFIGURATIONS, trainable: Any = None,
 ) -> list[MemoryEstimate]:
     """Estimates a Flax model from its real units and layouts, for each configuration.
 
@@ -311,6 +311,8 @@ def estimate_from_model(
       example_batch: the global batch for ``loss_fn`` (arrays or ShapeDtypeStructs).
       unit_policy: as for ``initialize``.
       configurations: ``(param tier, optimizer tier)`` pairs (default: all six).
+      trainable: as for ``initialize``: frozen parameters get no gradient,
+        master copy or optimizer state (default: all trained).
 
     Raises:
       ValueError: no batch given.
@@ -328,6 +330,7 @@ def estimate_from_model(
     example = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), example_batch)  # global
     layouts = plan_partition(adapter.abstract_params, mesh, config.persistence_threshold, adapter.layout_hints,
                              config.zero_axes)
+    trained = trainable_paths(adapter, trainable)
     cd = config.resolved_compute_dtype(platform := mesh.devices.flat[0].platform)
     dtype_of = {p: cd if jnp.issubdtype(jnp.dtype(lay.dtype), jnp.floating) else lay.dtype
                 for p, lay in layouts.items()}.__getitem__
@@ -345,16 +348,17 @@ def estimate_from_model(
     d = _Digest(
         n_local=n_local, n_idx=n_idx, n_processes=P, compute_dtype=cd, params=sum(x.size for x in layouts.values()),
         unit_held=unit(lambda p: layouts[p].bytes_per_device(dtype_of(p)) * n_local),
-        unit_gathered=unit(lambda p: layouts[p].size * item[p] * n_local), unit_grad=unit(lambda p: 4 * local[p]),
+        unit_gathered=unit(lambda p: layouts[p].size * item[p] * n_local),
+        unit_grad=unit(lambda p: 4 * local[p] * (p in trained)),
         calls=tuple((u, b // P + r * n_local) for u, b, r in calls), rests=rests * n_local,
         glue=sum(layouts[p].bytes_per_device(dtype_of(p)) * n_local for p in adapter.glue_paths),
         store=sum(item[p] * local[p] for p in layouts),
         store_sharded=sum(item[p] * local[p] for p, lay in layouts.items() if lay.dim is not None),
         store_disk=sum(_padded(layouts[p].shard_shape, item[p]) * shards[p] for p in layouts),
-        grad=sum(4 * local[p] for p in layouts), opt=sum(12 * n_chunks[p] * chunk[p] * shards[p] for p in layouts),
-        opt_disk=sum(3 * n_chunks[p] * shards[p] * _padded((chunk[p],), 4) for p in layouts),
-        groups=sum(n_chunks[p] * shards[p] for p in layouts), max_chunk=max(chunk.values(), default=1),
-        assembly=4 * max((numel[p] for p in layouts if n_chunks[p] > 1), default=0),
+        grad=sum(4 * local[p] for p in trained), opt=sum(12 * n_chunks[p] * chunk[p] * shards[p] for p in trained),
+        opt_disk=sum(3 * n_chunks[p] * shards[p] * _padded((chunk[p],), 4) for p in trained),
+        groups=sum(n_chunks[p] * shards[p] for p in trained), max_chunk=max((chunk[p] for p in trained), default=1),
+        assembly=4 * max((numel[p] for p in trained if n_chunks[p] > 1), default=0),
         param_meta=sum(_KEY_METADATA_BYTES + len(p) + 3 * shards[p] for p in layouts),
         workspace=3 * out // (P * n_local))  # the largest unit output (logits): itself, f32 copy, cotangent
     return [_estimate(d, config, pt, ot, platform) for pt, ot in configurations]
