@@ -63,6 +63,7 @@ def test_compilations_constant_in_depth(no_persistent_cache):
     assert c4 > 0 and c4 == c16, (c4, c16)
 
 
+@pytest.mark.slow  # ~16 s: two models built and stepped; the default suite keeps the compile-count check
 def test_peak_device_memory_flat_in_depth():
     peaks, live, model_bytes = {}, {}, {}
     for n in (4, 8, 16):

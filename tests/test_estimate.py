@@ -125,7 +125,9 @@ def estimates():
     return {(e.param_tier, e.optimizer_tier): e for e in ests}
 
 
-@pytest.mark.parametrize("param,opt", CONFIGURATIONS)
+@pytest.mark.parametrize("param,opt", [  # the default suite checks three tier pairs; -m slow all six
+    c if c in {("none", "cpu"), ("cpu", "cpu"), ("nvme", "nvme")} else pytest.param(*c, marks=pytest.mark.slow)
+    for c in CONFIGURATIONS])
 def test_estimate_matches_engine(param, opt, estimates, tmp_path, record_property):
     measured, parts = measure(param, opt, tmp_path)
     est = estimates[(param, opt)]

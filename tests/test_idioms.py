@@ -276,7 +276,8 @@ def test_nnx_unit_attribute_errors_are_actionable(tmp_path):
     eng.close()
 
 
-@pytest.mark.parametrize("rngs_passed", [False, True], ids=["held_rngs", "fresh_rngs_each_step"])
+@pytest.mark.parametrize("rngs_passed", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["held_rngs", "fresh_rngs_each_step"])
 def test_nnx_sow_and_shared_rngs(tmp_path, rngs_passed, no_persistent_cache):
     """Blocks sow intermediates that the loss pops (an auxiliary term, differentiated through the sown
     values); one nnx.Rngs is shared by the model and all blocks, or a fresh one is passed every step.

@@ -79,7 +79,7 @@ def assert_matches(reference, losses, params):
 
 @pytest.mark.parametrize("shape, names, zero_axes, shards, entry", [
     ((2, 4), ("data", "fsdp"), ("fsdp",), 4, "fsdp"),              # ZeRO over fsdp, replicas over data
-    ((2, 4), ("replica", "shard"), None, 8, ("replica", "shard")),  # default: every axis
+    pytest.param((2, 4), ("replica", "shard"), None, 8, ("replica", "shard"), marks=pytest.mark.slow),  # default: all
     pytest.param((2, 4), ("replica", "shard"), ("shard",), 4, "shard", marks=pytest.mark.slow),
     pytest.param((2, 2, 2), ("a", "b", "c"), ("c", "a"), 4, ("c", "a"), marks=pytest.mark.slow),  # not in mesh order
 ])
