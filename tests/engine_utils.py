@@ -2,16 +2,21 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
+from flax import nnx
 
 from zinf_jax.engine.linen_adapter import LinenAdapter
 from zinf_jax.engine.nnx_adapter import NnxAdapter
 from zinf_jax.engine.init import INIT_BATCH_BYTES, init_unit_by_unit
+from zinf_jax.engine.adapters import leaf_paths
 from zinf_jax.engine.store import ParamStore
 from zinf_jax.engine.streamed import StreamedModel
+from zinf_jax.models import lm_loss
 from zinf_jax.sharding import from_stored, local_shard_devices, make_mesh, plan_partition
 from zinf_jax.tiers import CpuTier, DeviceTier, NvmeTier
-from zinf_jax.units import UnitPolicy
+from zinf_jax.units import UnitPolicy, path_str
 
 
 def open_param_tier(kind, mesh, path=None):
@@ -68,3 +73,26 @@ def streamed_grads(sm, g_glue):
         full = shards[0] if lay.dim is None else np.concatenate(shards, axis=lay.dim)
         out[path] = np.asarray(from_stored(lay, full))
     return out
+
+
+def flat(state):
+    """An nnx.State (or params pytree) as ``path -> numpy array``."""
+    return {path_str(p): np.asarray(v) for p, v in zip(leaf_paths(state), jax.tree.leaves(state))}
+
+
+def optax_run(model, tx, data, loss_fn=lm_loss, wrt=nnx.Param):
+    """The reference: plain jit(value_and_grad) + optax on the unwrapped NNX model; losses and final params."""
+    gdef, params, rest = nnx.split(model, wrt, ...)
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state, b):
+        loss, g = jax.value_and_grad(lambda p: loss_fn(nnx.merge(gdef, p, rest), b))(params)
+        updates, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    losses = []
+    for b in data:
+        params, opt_state, loss = step(params, opt_state, jnp.asarray(b))
+        losses.append(float(loss))
+    return losses, flat(nnx.state(nnx.merge(gdef, params, rest), nnx.Param))

@@ -10,11 +10,10 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 import zinf_jax as zinf
+from engine_utils import flat, optax_run
 from zinf_jax.config import ConfigError
-from zinf_jax.engine.adapters import _leaf_paths
 from zinf_jax.models import GPT, GPTConfig, batch_at, corpus, lm_loss
 from zinf_jax.sharding import batch_spec, local_shard_devices, plan_partition, shard_index_of, zero_axes_of
-from zinf_jax.units import path_str
 
 CFG = GPTConfig(vocab=256, d_model=32, n_heads=4, n_layers=2, seq=16)
 LR, WD, STEPS = 3e-3, 0.1, 3
@@ -29,10 +28,6 @@ def batches(n):
     return [batch_at(DATA, s, 8, CFG.seq) for s in range(n)]
 
 
-def flat_params(state):
-    return {path_str(p): np.asarray(v) for p, v in zip(_leaf_paths(state), jax.tree.leaves(state))}
-
-
 def mesh_of(shape, names, auto=True):
     devices = np.asarray(jax.devices(), dtype=object).reshape(shape)
     return Mesh(devices, names, axis_types=(AxisType.Auto,) * len(names)) if auto else Mesh(devices, names)
@@ -41,21 +36,8 @@ def mesh_of(shape, names, auto=True):
 @pytest.fixture(scope="module")
 def reference():
     """Losses and parameters of plain jit + optax.adamw on the unwrapped model."""
-    gdef, params, rest = nnx.split(ctor(), nnx.Param, ...)
-    tx = optax.adamw(LR, weight_decay=WD, mask=jax.tree.map(lambda x: x.ndim > 1, params))
-    opt_state = tx.init(params)
-
-    @jax.jit
-    def step(params, opt_state, b):
-        loss, g = jax.value_and_grad(lambda p: lm_loss(nnx.merge(gdef, p, rest), b))(params)
-        updates, opt_state = tx.update(g, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    losses = []
-    for b in batches(STEPS):
-        params, opt_state, loss = step(params, opt_state, jnp.asarray(b))
-        losses.append(float(loss))
-    return losses, flat_params(params)
+    return optax_run(ctor(), optax.adamw(LR, weight_decay=WD, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
+                     batches(STEPS))
 
 
 def train(mesh, **config):
@@ -64,7 +46,7 @@ def train(mesh, **config):
     eng = zinf.initialize(ctor, config=cfg, mesh=mesh, optimizer=zinf.adamw(LR, weight_decay=WD), loss_fn=lm_loss)
     try:
         losses = [eng.train_step(b)["loss"] for b in batches(STEPS)]
-        return eng, losses, flat_params(eng.params())
+        return eng, losses, flat(eng.params())
     finally:
         eng.close()
 

@@ -87,8 +87,8 @@ def _join(layout, shards):
     return from_stored(layout, np.concatenate([shards[i] for i in range(layout.num_shards)], axis=layout.dim))
 
 
-def _optax(grads_seq, params):
-    tx = _ref_tx()
+def _optax(grads_seq, params, tx=None):
+    tx = tx or _ref_tx()
     p = {k: jnp.asarray(v) for k, v in params.items()}
     state = tx.init(p)
 
@@ -387,17 +387,7 @@ def test_optax_rule_matches_optax_with_padded_chunks(tmp_path, layouts, name):
     """Any element-wise optax transform, streamed in sub-groups (several chunks, padded tails) vs the whole tree."""
     params = _init_params()
     grads = [_grads(t) for t in range(10)]
-    tx = OPTAX_RULES[name]()
-    p = {k: jnp.asarray(v) for k, v in params.items()}
-    state = tx.init(p)
-
-    @jax.jit
-    def ref_step(p, state, g):
-        u, state = tx.update(g, state, p)
-        return optax.apply_updates(p, u), state
-
-    for g in grads:
-        p, state = ref_step(p, state, {k: jnp.asarray(v) for k, v in g.items()})
+    p = _optax(grads, params, OPTAX_RULES[name]())
     opt = StreamedAdam(OPTAX_RULES[name](), NvmeTier(tmp_path, process_index=0), layouts,
                        local_indices=lambda q: list(range(layouts[q].num_shards)), sub_group_size=SMALL)
     opt.declare()

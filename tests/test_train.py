@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 import zinf_jax as zinf
+from engine_utils import optax_run
 from zinf_jax.engine.adapters import _leaf_paths
 from zinf_jax.models import GPT, GPTConfig, batch_at, corpus, lm_loss
 from zinf_jax.units import path_str
@@ -39,23 +40,9 @@ def flat_params(state):
 
 
 def reference_run(steps):
-    model = ctor()
-    gdef, params, rest = nnx.split(model, nnx.Param, ...)
-    mask = jax.tree.map(lambda x: x.ndim > 1, params)
-    tx = optax.chain(optax.clip_by_global_norm(CLIP), optax.adamw(LR, weight_decay=WD, mask=mask))
-    opt_state = tx.init(params)
-
-    @jax.jit
-    def step(params, opt_state, b):
-        loss, g = jax.value_and_grad(lambda p: lm_loss(nnx.merge(gdef, p, rest), b))(params)
-        updates, opt_state = tx.update(g, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    losses = []
-    for b in batches(steps):
-        params, opt_state, loss = step(params, opt_state, jnp.asarray(b))
-        losses.append(float(loss))
-    return losses, flat_params(params)
+    tx = optax.chain(optax.clip_by_global_norm(CLIP),
+                     optax.adamw(LR, weight_decay=WD, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)))
+    return optax_run(ctor(), tx, batches(steps))
 
 
 def test_30_steps_match_jit_optax_on_nvme(tmp_path):

@@ -8,8 +8,8 @@ import pytest
 from flax import nnx
 
 import zinf_jax as zinf
+from engine_utils import flat, optax_run
 from zinf_jax.checkpoint import read_meta
-from zinf_jax.engine.adapters import leaf_paths
 from zinf_jax.models import GPT, GPTConfig, batch_at, corpus, lm_loss
 from zinf_jax.units import path_str
 
@@ -29,28 +29,6 @@ def config(tmp_path, **kw):
     tmp_path.mkdir(parents=True, exist_ok=True)
     nv = zinf.Offload("nvme", path=str(tmp_path))
     return zinf.ZeroConfig(offload_param=nv, offload_optimizer=nv, persistence_threshold=600, **kw)
-
-
-def flat(state):
-    return {path_str(p): np.asarray(v) for p, v in zip(leaf_paths(state), jax.tree.leaves(state))}
-
-
-def optax_run(model, tx, data, wrt=nnx.Param):
-    """Plain jit(value_and_grad) + optax on the unwrapped NNX model; losses and final params."""
-    gdef, params, rest = nnx.split(model, wrt, ...)
-    opt_state = tx.init(params)
-
-    @jax.jit
-    def step(params, opt_state, b):
-        loss, g = jax.value_and_grad(lambda p: lm_loss(nnx.merge(gdef, p, rest), b))(params)
-        updates, opt_state = tx.update(g, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    losses = []
-    for b in data:
-        params, opt_state, loss = step(params, opt_state, jnp.asarray(b))
-        losses.append(float(loss))
-    return losses, flat(nnx.state(nnx.merge(gdef, params, rest), nnx.Param))
 
 
 def assert_params(got, ref, rtol=1e-5, atol=1e-6):
