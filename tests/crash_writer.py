@@ -2,7 +2,8 @@
 
 Used by ``tests/test_nvme_crash.py``: the parent kills it with SIGKILL at a
 random moment, reopens the tier and checks the committed step bitwise against
-:func:`expected`. Run as ``python tests/crash_writer.py DIR [MAX_STEPS]``.
+:func:`expected`. Run as ``python tests/crash_writer.py DIR [MAX_STEPS [UPDATE]]`` (UPDATE: the tier's
+update mode, ``double_slot`` by default).
 
 The child resumes after the step the directory holds, prints ``ready <step>``
 once the tier is open and ``committed <step>`` (flushed) after every commit
@@ -53,11 +54,11 @@ def expected(step: int, key: str, index: int) -> np.ndarray:
     return shard_data(s, key, index)
 
 
-def main(path: str, max_steps: int) -> None:
+def main(path: str, max_steps: int, update: str = "double_slot") -> None:
     from zinf_jax.tiers.nvme import NvmeTier
 
     # small chunk_bytes: the larger shards are stored as several chunk files (one ragged)
-    tier = NvmeTier(path, process_index=0, max_in_flight_bytes=4 << 20, chunk_bytes=200_000)
+    tier = NvmeTier(path, process_index=0, max_in_flight_bytes=4 << 20, chunk_bytes=200_000, update=update)
     for key, (spec, _) in KEYS.items():
         tier.declare(key, spec)
     step = int(tier.metadata().get("step", 0))
@@ -76,4 +77,4 @@ def main(path: str, max_steps: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1 << 30)
+    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1 << 30, *sys.argv[3:4])

@@ -25,7 +25,8 @@ from zinf_jax.config import ZeroConfig
 from zinf_jax.engine.batching import micro_batches, shard_batch
 from zinf_jax.engine.init import init_unit_by_unit
 from zinf_jax.engine.pretrained import Pretrained
-from zinf_jax.engine.store import ParamStore
+from zinf_jax.engine.grads import GradSink
+from zinf_jax.engine.store import ParamStore, local_indices_of
 from zinf_jax.engine.streamed import JIT_MESSAGE, EngineError, ParamLoss, StreamedModel
 from zinf_jax.engine.wrap import make_adapter, trainable_paths
 from zinf_jax.optim import StreamedOptimizer
@@ -64,22 +65,29 @@ class Engine:
                                                               adapter.layout_hints, config.zero_axes)
         placement = self._placement()
         po, oo = config.offload_param, config.offload_optimizer
+        tier_kw = dict(placement=placement, max_in_flight_bytes=config.max_in_flight_bytes, update=config.nvme_update)
         with contextlib.ExitStack() as undo:  # a failure while building releases the tiers (and their locks)
-            self.param_tier = open_tier(po.device, path=po.path, subdir="params", placement=placement,
-                                        max_in_flight_bytes=config.max_in_flight_bytes, direct_io=po.direct_io)
+            self.param_tier = open_tier(po.device, path=po.path, subdir="params", direct_io=po.direct_io, **tier_kw)
             undo.callback(close_quietly, self.param_tier)
-            self.opt_tier = open_tier(oo.device, path=oo.path, subdir="optimizer", placement=placement,
-                                      host_memory="numpy", max_in_flight_bytes=config.max_in_flight_bytes,
-                                      direct_io=oo.direct_io)
+            self.opt_tier = open_tier(oo.device, path=oo.path, subdir="optimizer", host_memory="numpy",
+                                      direct_io=oo.direct_io, **tier_kw)
             undo.callback(close_quietly, self.opt_tier)
-            self.store = ParamStore(self.param_tier, self.layouts, mesh, self.compute_dtype)
+            # with the optimizer on nvme, gradients leave host RAM as they are produced (a scratch tier)
+            self.grad_tier = None if oo.device != "nvme" else open_tier(
+                "nvme", path=oo.path, subdir="grads", direct_io=oo.direct_io, **{**tier_kw, "update": "scratch"})
+            undo.callback(close_quietly, self.grad_tier)
             self.optimizer = StreamedOptimizer(
-                with_clipping(optimizer, config.gradient_clipping), self.opt_tier, {p: l for p, l in self.layouts.items() if p in self.trainable},
-                local_indices=self.store.local_indices, owner=self._owner,
+                with_clipping(optimizer, config.gradient_clipping), self.opt_tier,
+                {p: l for p, l in self.layouts.items() if p in self.trainable},
+                local_indices=local_indices_of(self.layouts, mesh), owner=self._owner,
                 sub_group_size=config.sub_group_size, buffer_count=oo.buffer_count,
-                loss_scale=loss_scaling(config, self.compute_dtype), allreduce=_allreduce,
+                loss_scale=loss_scaling(config, self.compute_dtype), allreduce=_allreduce, grad_tier=self.grad_tier,
             )
             self.optimizer.declare()
+            shared = self.compute_dtype == "float32" and po.device == oo.device == "nvme"  # see engine.store
+            self.store = ParamStore(self.param_tier, self.layouts, mesh, self.compute_dtype,
+                                    master=self.optimizer.read_state_async,
+                                    master_paths=self.trainable if shared else ())
             if init == "fresh":
                 def to_optimizer(path: str, arr: jax.Array) -> None:
                     if path not in self.trainable:  # frozen: only its compute-dtype copy in the param tier
@@ -94,6 +102,7 @@ class Engine:
                 adapter, self.store, prefetch_depth=config.prefetch_depth, max_live_bytes=config.max_live_bytes,
                 offload_activations=config.offload_activations, track_live_arrays=track_live_arrays,
                 param_loss=param_loss, trainable=self.trainable,
+                sink=GradSink(self.layouts, mesh, target=self.optimizer.grads),
             )
             undo.pop_all()
         self.user_state: dict[str, Any] = {}
@@ -182,7 +191,7 @@ class Engine:
         def write_param(path: str, index: int, value: np.ndarray) -> Any:
             return self.store.put_local(path, index, value)  # the driver keeps the buffer until this resolves
 
-        m = self.optimizer.step(self.streamed.sink.get, write_param)
+        m = self.optimizer.step(self.streamed.sink.source, write_param)
         self.streamed.sink.clear()
         meta = {"step": self.optimizer.step_count}
         self.optimizer.commit(meta)
@@ -289,7 +298,11 @@ class Engine:
             try:
                 self.param_tier.close()
             finally:
-                self.opt_tier.close()
+                try:
+                    self.opt_tier.close()
+                finally:
+                    if self.grad_tier is not None:
+                        self.grad_tier.close()
 
 
 def close_quietly(closable: Any) -> None:

@@ -236,6 +236,10 @@ class ZeroConfig:
     """Keep the activation checkpoints at unit boundaries in pinned host memory."""
     max_in_flight_bytes: int = _field(1 << 30, _as_int, 1)
     """Bytes of tier reads and writes in flight at once (back-pressure bound)."""
+    nvme_update: str = _field("in_place", _as_other, *_choices(("in_place", "double_slot")))
+    """How nvme tiers apply a step: ``"in_place"`` (one copy on disk; a step interrupted by a crash
+    leaves the tier half-updated, refused on reopening and rebuilt from the newest checkpoint) or
+    ``"double_slot"`` (every step durable on disk, at twice the disk)."""
     aio: AioConfig = _nested(AioConfig(), AioConfig)
     """Asynchronous I/O settings of the NVMe tier."""
     gradient_clipping: float = _field(0.0, _as_float, *_NONNEG)

@@ -27,7 +27,7 @@ __all__ = ["RunDirError", "RunLock", "check_reuse", "clear_tier_state", "remove_
            "TIER_SUBDIRS"]
 
 LOCK = ".lock"
-TIER_SUBDIRS = ("params", "optimizer")  # the subdirectories the engine's nvme tiers use under an offload path
+TIER_SUBDIRS = ("params", "optimizer", "grads")  # the subdirectories the engine's nvme tiers use under an offload path
 _STEP_DIR = re.compile(r"step_(\d+)")
 _STALE = (".tmp_step_*", ".del_step_*")  # a save or a retention delete that a kill interrupted
 

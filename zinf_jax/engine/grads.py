@@ -5,11 +5,15 @@ the stored sharding, to :meth:`GradSink.add`. The sink copies this process's
 shards to host buffers (device memory is released at once) and sums repeated
 contributions, so a parameter used by two unit calls (a tied embedding) gets
 the sum of both gradients.
+
+Given a ``target`` (the optimizer's :class:`~zinf_jax.optim.grads_out.TierGrads`,
+with NVMe offload), the sink holds nothing: each host shard goes straight to
+the target, which writes it to the grad tier and sums repeats there.
 """
 from __future__ import annotations
 
 import threading
-from typing import Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import jax
 import numpy as np
@@ -26,13 +30,22 @@ class GradSink:
     Args:
       layouts: parameter layouts (for the shard indices).
       mesh: the mesh.
+      target: where shards go instead of host accumulators (``add(path, index,
+        host_shard)`` and ``clear()``), e.g. a
+        :class:`~zinf_jax.optim.grads_out.TierGrads`.
     """
 
-    def __init__(self, layouts: Mapping[str, ParamLayout], mesh: Mesh):
+    def __init__(self, layouts: Mapping[str, ParamLayout], mesh: Mesh, target: Any = None):
         self.layouts = layouts
         self.mesh = mesh
+        self.target = target
         self._acc: dict[tuple[str, int], np.ndarray] = {}
         self._lock = threading.Lock()
+
+    @property
+    def source(self) -> Callable[[str, int], np.ndarray | None] | Any:
+        """What the optimizer step reads the gradients from: :meth:`get`, or the target."""
+        return self.get if self.target is None else self.target
 
     def add(self, path: str, grad: jax.Array) -> None:
         """Adds a stored-form, sharded float32 gradient of ``path``."""
@@ -41,6 +54,9 @@ class GradSink:
             s.copy_to_host_async()
         for idx, s in shards.items():
             host = np.asarray(s, dtype=np.float32)
+            if self.target is not None:
+                self.target.add(path, idx, host)
+                continue
             with self._lock:
                 acc = self._acc.get((path, idx))
                 if acc is None:
@@ -50,6 +66,9 @@ class GradSink:
 
     def add_local(self, path: str, index: int, grad: np.ndarray) -> None:
         """Adds a host gradient for one local shard (persistent parameters)."""
+        if self.target is not None:
+            self.target.add(path, index, grad)
+            return
         with self._lock:
             acc = self._acc.get((path, index))
             if acc is None:
@@ -72,3 +91,5 @@ class GradSink:
         """Forgets every gradient (start of a step)."""
         with self._lock:
             self._acc.clear()
+        if self.target is not None:
+            self.target.clear()

@@ -6,11 +6,16 @@ the zero axes that this process owns. :meth:`ParamStore.fetch` turns the
 shards of a unit back into sharded device arrays (the "bandwidth-centric" read:
 every process reads only its own shards; the all-gather happens later, inside
 the compiled unit program).
+
+With float32 compute and both tiers on NVMe, a trained parameter's tier copy
+would equal its float32 master bit for bit; the store then keeps no copy of its
+own and reads the optimizer's master instead (``master=``): one copy of the
+parameter on disk, and no parameter write after the optimizer step.
 """
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Mapping, Sequence
+from typing import Callable, Collection, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -18,9 +23,18 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from zinf_jax.sharding import ParamLayout, assemble, local_shard_devices, split_local
-from zinf_jax.tiers.base import ShardSpec, Tier, TierError
+from zinf_jax.tiers.base import ShardSpec, Tier, TierError, done_future
 
-__all__ = ["ParamStore", "ParamMismatchError"]
+__all__ = ["ParamStore", "ParamMismatchError", "local_indices_of"]
+
+MasterReader = Callable[[str, int], Future]
+"""``read(path, index)``: a future of the float32 master shard (stored form) of a trained parameter."""
+
+
+def local_indices_of(layouts: Mapping[str, ParamLayout], mesh: Mesh) -> Callable[[str], list[int]]:
+    """``local_indices(path)``: the shard indices of a parameter this process stores."""
+    local = list(local_shard_devices(mesh, next((lay.axes for lay in layouts.values()), None)))
+    return lambda path: [0] if layouts[path].dim is None else list(local)
 
 
 class ParamMismatchError(ValueError):
@@ -35,15 +49,25 @@ class ParamStore:
       layouts: path to layout for every parameter.
       mesh: the mesh.
       compute_dtype: dtype of floating parameters in the tier and in compute.
+      master: reads the optimizer's float32 master shards of ``master_paths``
+        (float32 compute only): those paths are not stored here at all.
+      master_paths: the parameters read through ``master``.
     """
 
-    def __init__(self, tier: Tier, layouts: Mapping[str, ParamLayout], mesh: Mesh, compute_dtype: str):
+    def __init__(self, tier: Tier, layouts: Mapping[str, ParamLayout], mesh: Mesh, compute_dtype: str, *,
+                 master: MasterReader | None = None, master_paths: Collection[str] = ()):
         self.tier = tier
         self.layouts = dict(layouts)
         self.mesh = mesh
         self.compute_dtype = compute_dtype
-        self._local = list(local_shard_devices(mesh, next((lay.axes for lay in self.layouts.values()), None)))
+        if master_paths and (master is None or compute_dtype != "float32"):
+            raise ValueError("parameters can be read from the float32 master only with float32 compute")
+        self._master, self.master_paths = master, frozenset(master_paths)
+        self.local_indices = local_indices_of(self.layouts, mesh)
+        """``local_indices(path)``: shard indices of ``path`` this process stores."""
         for path, lay in self.layouts.items():
+            if path in self.master_paths:
+                continue
             spec = ShardSpec(shard_shape=lay.shard_shape, dtype=self.dtype_of(path), num_shards=lay.num_shards)
             try:
                 tier.declare(path, spec, self.local_indices(path))
@@ -57,10 +81,6 @@ class ParamStore:
         d = self.layouts[path].dtype
         return self.compute_dtype if jnp.issubdtype(jnp.dtype(d), jnp.floating) else d
 
-    def local_indices(self, path: str) -> list[int]:
-        """Shard indices of ``path`` this process stores."""
-        return [0] if self.layouts[path].dim is None else list(self._local)
-
     def nbytes(self, paths: Sequence[str]) -> int:
         """Device bytes of fetched ``paths`` summed over this process's devices."""
         n_dev = sum(len(v) for v in local_shard_devices(self.mesh).values())
@@ -71,12 +91,22 @@ class ParamStore:
         dt = jnp.dtype(self.dtype_of(path))
         if stored.dtype != dt:
             stored = stored.astype(dt)
+        if path in self.master_paths:  # the optimizer's master is the copy
+            return []
         lay = self.layouts[path]
         return [self.tier.put(path, i, s) for i, s in split_local(lay, self.mesh, stored).items()]
 
     def put_local(self, path: str, index: int, value: np.ndarray) -> Future:
         """Writes one local shard given as a host array (cast to the tier's dtype)."""
+        if path in self.master_paths:
+            return done_future()
         return self.tier.put(path, index, value)
+
+    def read_local(self, path: str, index: int) -> Future:
+        """A future of one local shard as stored (a host array, or a device array on the device tier)."""
+        if path in self.master_paths:
+            return self._master(path, index)
+        return self.tier.get(path, index)
 
     def fetch(self, paths: Sequence[str]) -> list[jax.Array]:
         """Reads ``paths`` from the tier as sharded device arrays (stored form).
@@ -84,7 +114,7 @@ class ParamStore:
         Raises:
           TierError: a shard cannot be read.
         """
-        futs = {p: {i: self.tier.get(p, i) for i in self.local_indices(p)} for p in paths}
+        futs = {p: {i: self.read_local(p, i) for i in self.local_indices(p)} for p in paths}
         out = []
         for p in paths:
             shards = {i: f.result() for i, f in futs[p].items()}

@@ -113,6 +113,7 @@ class StreamedModel:
         unit by unit where each unit's parameters are gathered anyway.
       trainable: paths of the parameters to differentiate (``None``: all);
         the others (frozen) are gathered and used but get no gradient.
+      sink: where unit gradients go (default: a host :class:`GradSink`).
     """
 
     def __init__(
@@ -126,12 +127,13 @@ class StreamedModel:
         track_live_arrays: bool = False,
         param_loss: ParamLoss | None = None,
         trainable: Collection[str] | None = None,
+        sink: GradSink | None = None,
     ):
         self.adapter = adapter
         self.store = store
         self.mesh = store.mesh
         self.programs = UnitPrograms(store.mesh, store.compute_dtype)
-        self.sink = GradSink(store.layouts, store.mesh)
+        self.sink = sink or GradSink(store.layouts, store.mesh)
         self.units = adapter.units
         self._layouts = [[store.layouts[p] for p in u.param_paths] for u in self.units]
         self._trainable = [tuple(trainable is None or p in trainable for p in u.param_paths) for u in self.units]

@@ -33,11 +33,13 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 
+from zinf_jax.optim.grads_out import TierGrads
 from zinf_jax.optim.kernel import all_finite, sum_squares
 from zinf_jax.optim.rules import UpdateRule, make_rule
 from zinf_jax.optim.subgroups import BufferSet, Group, Pipe, is_future, sub_groups, wait_all
 from zinf_jax.optim.scaling import LossScaler, grad_scale, init_loss_scale, update_loss_scale
 from zinf_jax.tiers.base import ShardSpec, Tier
+from zinf_jax.tiers.direct import aligned_empty, all_of
 
 if TYPE_CHECKING:
     from zinf_jax.config import LossScaleConfig
@@ -63,6 +65,9 @@ class StreamedOptimizer:
       buffer_count: most sub-groups held in RAM at once (at least 1).
       loss_scale: float16 loss scaling (dynamic or static); ``None`` or disabled: scale 1.
       allreduce: sums a float across processes (identity in a single process).
+      grad_tier: where gradients go as they are produced (:attr:`grads`, a
+        :class:`~zinf_jax.optim.grads_out.TierGrads`); ``None``: the caller
+        holds them and passes ``grad(path, i)`` to :meth:`step`.
     """
 
     def __init__(self, spec: Any, tier: Tier, layouts: Mapping[str, ParamLayout], *,
@@ -70,7 +75,8 @@ class StreamedOptimizer:
                  owner: Callable[[str, int], bool] = lambda p, i: True,
                  sub_group_size: int, buffer_count: int = 4,
                  loss_scale: LossScaleConfig | None = None,
-                 allreduce: Callable[[float], float] = lambda x: x):
+                 allreduce: Callable[[float], float] = lambda x: x,
+                 grad_tier: Tier | None = None):
         if sub_group_size < 1 or buffer_count < 1:
             raise ValueError(f"need sub_group_size >= 1 and buffer_count >= 1, got {sub_group_size}, {buffer_count}")
         self.spec, self.tier, self.layouts = spec, tier, dict(layouts)
@@ -97,6 +103,11 @@ class StreamedOptimizer:
         self.rule: UpdateRule = make_rule(spec, self.layouts, self._chunk)
         self._names = {path: ("master", *self.rule.state_names(path)) for path in self.layouts}
         self._n_arrays = max((len(v) for v in self._names.values()), default=1)
+        self.grads: TierGrads | None = None
+        """This step's gradients in ``grad_tier`` (``None`` without one)."""
+        if grad_tier is not None:
+            geo = {p: (self._numel[p], self._chunk[p], self._nch[p], lay.num_shards) for p, lay in self.layouts.items()}
+            self.grads = TierGrads(grad_tier, geo, self._local, owner)
         self._sets: list[BufferSet] = []  # the pool, kept across steps (fresh buffers cost page faults)
         self._free: collections.deque[BufferSet] = collections.deque()
         self._live = 0
@@ -117,6 +128,8 @@ class StreamedOptimizer:
             local = [i * n + c for i in self._local[path] for c in range(n)]
             for s in self._names[path]:
                 self.tier.declare(f"{s}/{path}", spec, local)
+        if self.grads is not None:
+            self.grads.declare()
 
     def state_names(self, path: str) -> tuple[str, ...]:
         """The tier states of ``path``: ``"master"`` and the rule's (``"m"``, ``"v"`` for Adam)."""
@@ -165,12 +178,18 @@ class StreamedOptimizer:
 
     def read_state(self, path: str, index: int, name: str) -> np.ndarray:
         """One state (``master``, ``m``, ...) of one shard, float32 in stored form, as currently stored."""
+        return self.read_state_async(path, index, name).result()
+
+    def read_state_async(self, path: str, index: int, name: str = "master") -> Future:
+        """A future of :meth:`read_state` (its chunks are read concurrently)."""
         numel, chunk, n = self._numel[path], self._chunk[path], self._nch[path]
-        out = np.empty(n * chunk, np.float32)
+        out = aligned_empty(4 * n * chunk).view(np.float32)
         futs = [self.tier.get(f"{name}/{path}", index * n + c, out=out[c * chunk:(c + 1) * chunk]) for c in range(n)]
-        for f in futs:
-            f.result()
-        return out[:numel].reshape(self.layouts[path].shard_shape)
+        shard = out[:numel].reshape(self.layouts[path].shard_shape)
+        done: Future = Future()
+        all_of(futs).add_done_callback(
+            lambda f: done.set_exception(f.exception()) if f.exception() is not None else done.set_result(shard))
+        return done
 
     def write_state(self, path: str, index: int, name: str, value: np.ndarray) -> None:
         """Writes one state of one shard (a checkpoint being restored), chunk by chunk."""
@@ -231,7 +250,10 @@ class StreamedOptimizer:
         np.copyto(out, part, casting="unsafe")
         return out
 
-    def _norm_sq(self, grad: Callable[[str, int], np.ndarray | None]) -> float:
+    def _norm_sq(self, grad: Callable[[str, int], np.ndarray | None] | TierGrads) -> float:
+        if isinstance(grad, TierGrads):  # accumulated as the gradients were written
+            grad.wait()
+            return self._allreduce(grad.norm_sq())
         sums: list[float] = []
         for path in self.layouts:
             numel, chunk = self._numel[path], self._chunk[path]
@@ -250,8 +272,8 @@ class StreamedOptimizer:
         return self._allreduce(math.fsum(sums))
 
     def _take(self) -> BufferSet:
-        if not self._free and len(self._sets) < self.buffer_count:
-            self._sets.append(BufferSet(self._max_chunk, self._n_arrays))
+        if not self._free and len(self._sets) < self.buffer_count:  # (+1: the gradient read from its tier)
+            self._sets.append(BufferSet(self._max_chunk, self._n_arrays + (self.grads is not None)))
             self._free.append(self._sets[-1])
         bs = self._free.popleft()
         self._live += 1
@@ -270,6 +292,8 @@ class StreamedOptimizer:
         for s, a in zip(self._names[gr.path], bs.arrays):
             key, buf = f"{s}/{gr.path}", a[:size]
             bs.pending.append(self.tier.get(key, gr.index, out=buf) if read else self.tier.put(key, gr.index, buf))
+        if read and self.grads is not None and self.grads.has(gr.path, gr.shard):
+            bs.pending.append(self.grads.read_chunk(gr.path, gr.shard, gr.chunk, bs.arrays[-1][:size]))
 
     def _fill(self, pipe: Pipe, j: int) -> None:
         """Reclaims finished writes, then reads ahead into free buffers (sub-group ``j`` at least)."""
@@ -297,7 +321,9 @@ class StreamedOptimizer:
           grad: ``grad(path, i)``: the gradient shard in stored form (any float
             dtype, multiplied by :attr:`loss_scale` when loss scaling is on), or
             ``None`` for a zero gradient. Called twice per shard (norm pass,
-            update pass); it should return a buffer, not recompute.
+            update pass); it should return a buffer, not recompute. Or
+            :attr:`grads`: the gradients written to the grad tier this step,
+            read per sub-group with the states.
           write_param: ``write_param(path, i, master)`` receives each updated
             float32 master shard once all its chunks are done. The array is
             the driver's buffer: copy it before returning, or return a future
@@ -347,12 +373,15 @@ class StreamedOptimizer:
                 f.result()
             bs.pending = []
             t_read += time.perf_counter() - t
-            if (gr.path, gr.shard) != cur_key:
-                cur_key, g = (gr.path, gr.shard), grad(gr.path, gr.shard)
-                cur_grad = None if g is None else np.asarray(g).reshape(-1)
             t = time.perf_counter()
             sl = slice(gr.start, gr.start + gr.valid)
-            g_part = self._zero_buffer()[:gr.valid] if cur_grad is None else self._as_f32(cur_grad, sl.start, sl.stop)
+            if isinstance(grad, TierGrads):  # read with the states, into the set's last array
+                g_part = bs.arrays[-1][:gr.valid] if grad.has(gr.path, gr.shard) else self._zero_buffer()[:gr.valid]
+            else:
+                if (gr.path, gr.shard) != cur_key:
+                    cur_key, g = (gr.path, gr.shard), grad(gr.path, gr.shard)
+                    cur_grad = None if g is None else np.asarray(g).reshape(-1)
+                g_part = self._zero_buffer()[:gr.valid] if cur_grad is None else self._as_f32(cur_grad, sl.start, sl.stop)
             size = self._chunk[gr.path]
             arrays = [a[:size] for a in bs.arrays[:len(self._names[gr.path])]]
             self.rule.update(gr.path, self.layouts[gr.path].shape, arrays, g_part, valid=gr.valid, step=step, lr=lr,

@@ -68,8 +68,8 @@ class ShardSums:
 
     def manifest_entry(self, key: str, local: Iterable[int], *, rewritten: bool) -> dict[str, list[str]] | None:
         """The ``checksums`` value of ``key`` in the next manifest (``None``: some shard has none)."""
-        with self._lock:
-            sums = (self._pending if rewritten else self._committed).get(key, {})
+        with self._lock:  # an in-place generation may rewrite only some shards: the others keep theirs
+            sums = {**self._committed.get(key, {}), **(self._pending.get(key, {}) if rewritten else {})}
             if any(i not in sums for i in local):
                 return None
             return {str(i): list(sums[i]) for i in local}
@@ -78,7 +78,7 @@ class ShardSums:
         """After a commit: the pending digests of the rewritten ``keys`` become the committed ones."""
         with self._lock:
             for k in keys:
-                self._committed[k] = self._pending.pop(k, {})
+                self._committed[k] = {**self._committed.get(k, {}), **self._pending.pop(k, {})}
             self._pending.clear()
 
     def drop_pending(self) -> None:

@@ -6,11 +6,21 @@ by :class:`~zinf_jax.tiers.direct.ChunkIO` (direct I/O, in place, in zarr3's
 own layout), smaller ones by tensorstore; tensorstore creates and validates the
 arrays, and plain tensorstore (or any zarr3 reader) opens them.
 
-Crash safety comes from double buffering: a key's writes in a new generation go
-to the slot the manifest does *not* point at; :meth:`NvmeTier.commit` waits for
-the (fsynced) writes and then replaces the manifest atomically (write, fsync,
-rename, fsync the directory). A process killed at any moment therefore leaves
-the last committed generation readable and bitwise intact.
+Updates come in three modes (``update=``):
+
+* ``"double_slot"``: a key's writes in a new generation go to the slot the
+  manifest does *not* point at; :meth:`NvmeTier.commit` waits for the (fsynced)
+  writes and then replaces the manifest atomically (write, fsync, rename, fsync
+  the directory). A process killed at any moment leaves the last committed
+  generation readable and bitwise intact, at twice the disk.
+* ``"in_place"``: one slot, rewritten in place (no second copy on disk). Before
+  the first write of a generation the manifest is replaced by one that says
+  "in progress"; the commit replaces it by the finished one. A process killed
+  in between leaves a *half-updated* directory, which the next opener refuses
+  (:func:`~zinf_jax.tiers.nvme_layout.half_updated`) rather than train on mixed
+  state; it is rebuilt from a checkpoint.
+* ``"scratch"``: in place, nothing published, emptied when opened (the
+  gradients of the current step: never needed by another process).
 
 Integrity (:mod:`zinf_jax.tiers.checksum`): every chunk file's digest is
 computed on the write path, published by the commit in the same manifest that
@@ -37,11 +47,12 @@ from zinf_jax.tiers.base import ByteBudget, ShardSpec, TierError, np_dtype
 from zinf_jax.tiers.checksum import ALGORITHM, ShardSums, damaged, diagnose, digest
 from zinf_jax.tiers.direct import ChunkIO, aligned_empty, all_of, chunk_files
 from zinf_jax.tiers.nvme_layout import (
-    FORMAT, MANIFEST, SlotArrays, check_dir, io_error, load_manifest, lock_dir, read_manifest, syncfs, unlock,
-    write_manifest,
+    FORMAT, MANIFEST, SlotArrays, check_dir, half_updated, io_error, load_manifest, lock_dir, read_manifest, syncfs,
+    unlock, write_manifest,
 )
 
 _ChunkFiles = list[tuple[Path, np.ndarray, int]]  # (chunk file, the shard's bytes in it, file size)
+UPDATE_MODES = ("double_slot", "in_place", "scratch")
 
 __all__ = ["NvmeTier", "read_manifest", "MANIFEST"]
 
@@ -70,11 +81,13 @@ class NvmeTier:
       checksums: compute a digest of every chunk file on write, commit it with
         the data and verify it on every read (default). ``False`` does
         neither (benchmarks only): shards it commits are read unverified.
+      update: ``"double_slot"`` (default), ``"in_place"`` or ``"scratch"`` (see the module doc).
 
     Raises:
       TierError: the path is missing, not a directory or not writable, or
         another job holds its lock.
-      TierDataError: the manifest is damaged (the message names it).
+      TierDataError: the manifest is damaged, or an in-place update was
+        interrupted (half-updated; the message says how to rebuild).
     """
 
     kind = "nvme"
@@ -92,9 +105,12 @@ class NvmeTier:
         write_threads: int = 4,
         direct_min_bytes: int = 1 << 20,
         checksums: bool = True,
+        update: str = "double_slot",
     ):
         if sync not in (True, False, "write", "commit"):  # before the lock is taken
             raise ValueError(f"nvme tier sync must be 'commit', 'write' (True) or False, got {sync!r}")
+        if update not in UPDATE_MODES:
+            raise ValueError(f"nvme tier update must be one of {UPDATE_MODES}, got {update!r}")
         root = Path(path)
         check_dir(root)
         if process_index is None:
@@ -104,11 +120,19 @@ class NvmeTier:
         self.dir = root / f"process_{process_index}"
         self.dir.mkdir(exist_ok=True)
         self._lockf = lock_dir(self.dir)
+        self.update = update
         try:
+            if update == "scratch":  # nothing in it outlives the process that wrote it
+                (self.dir / MANIFEST).unlink(missing_ok=True)
+                shutil.rmtree(self.dir / "data", ignore_errors=True)
             state = load_manifest(self.dir)
+            if state.in_progress is not None:
+                raise half_updated(self.dir, state.in_progress)
         except TierError:
             unlock(self._lockf)
             raise
+        self._marked = False  # an in-place generation has announced itself in the manifest
+        self._broken = False  # an in-place generation failed half-way: nothing here may be used
         self._generation, self._meta, self._specs = state.generation, state.metadata, state.specs
         self._local, self._slot = state.local, state.slot
         self._checksums = bool(checksums)
@@ -209,6 +233,8 @@ class NvmeTier:
             self._futures.discard(f)
 
     def _check(self, key: str, index: int) -> ShardSpec:
+        if self._broken:
+            raise half_updated(self.dir, {"generation": self._generation + 1, "metadata": self._meta})
         spec = self.spec(key)
         if index not in self._local[key]:
             raise TierError(f"nvme tier: shard {index} of {key!r} is not stored by this process ({self._local[key]})")
@@ -221,8 +247,11 @@ class NvmeTier:
             arr = arr.copy(order="C")
         if arr.shape != spec.shard_shape:
             raise TierError(f"nvme tier: shard of {key!r} has shape {arr.shape}, declared {spec.shard_shape}")
+        if self.update == "in_place" and not self._marked:
+            self._mark_in_progress()
         with self._lock:
-            slot = self._pending_slot.setdefault(key, 1 - self._slot.get(key, 1))
+            fresh = 1 - self._slot.get(key, 1)
+            slot = self._pending_slot.setdefault(key, fresh if self.update == "double_slot" else self._slot.get(key, 0))
             self._written.setdefault(key, set()).add(index)
             self.bytes_written += arr.nbytes
         try:  # (no handle yet: the first put of this generation, or one after a failed open)
@@ -344,13 +373,15 @@ class NvmeTier:
           TierError: a write failed (e.g. disk full); nothing was published and
             the previous generation stays committed.
         """
+        if self._broken:
+            raise half_updated(self.dir, {"generation": self._generation + 1, "metadata": self._meta})
         try:
             self.wait()
-            for key, written in self._written.items():
+            for key, written in self._written.items() if self.update != "scratch" else ():
                 missing = [i for i in self._local[key] if i not in written]
                 if missing and key not in self._slot:
                     raise TierError(f"nvme tier: {key!r} shards {missing} were never written; write every local shard")
-                for i in missing:
+                for i in missing if self.update == "double_slot" else ():  # in place: they are there already
                     self.put(key, i, self.get(key, i).result())
             self.wait()
             if self._sync_at_commit and self._written:
@@ -362,18 +393,14 @@ class NvmeTier:
             self._abort()
             raise self._error(e, "flushing", "data", None) from e
         slots = {**self._slot, **self._pending_slot}
-        man = {
-            "format": FORMAT,
-            "checksum": ALGORITHM,
-            "generation": self._generation + 1,
-            "keys": {k: self._manifest_entry(k, slots[k]) for k in slots},
-            "metadata": dict(self._meta if metadata is None else metadata),
-        }
-        try:
-            write_manifest(self.dir, man)
-        except OSError as e:
-            self._abort()
-            raise self._error(e, "committing", "MANIFEST", None) from e
+        man = self._manifest(slots, self._generation + 1, dict(self._meta if metadata is None else metadata))
+        if self.update != "scratch":
+            try:
+                write_manifest(self.dir, man)
+            except OSError as e:
+                self._abort()
+                raise self._error(e, "committing", "MANIFEST", None) from e
+        self._marked = False
         self._sums.publish(self._pending_slot)
         self._generation += 1
         self._slot = slots
@@ -381,6 +408,27 @@ class NvmeTier:
         self._pending_slot.clear()
         self._written.clear()
         self._inflight.clear()
+
+    def _manifest(self, slots: Mapping[str, int], generation: int, metadata: Mapping[str, Any]) -> dict[str, Any]:
+        return {"format": FORMAT, "checksum": ALGORITHM, "generation": generation,
+                "keys": {k: self._manifest_entry(k, slots[k]) for k in slots}, "metadata": dict(metadata)}
+
+    def _mark_in_progress(self) -> None:
+        """Announces an in-place generation in the manifest, durably, before its first write.
+
+        The committed entries stay as they were (an interrupted generation is
+        recognised by the mark alone; its data is never read again).
+        """
+        with self._lock:
+            if self._marked:
+                return
+            man = self._manifest(dict(self._slot), self._generation, self._meta)
+            man["in_progress"] = {"generation": self._generation + 1, "metadata": self._meta}
+            try:
+                write_manifest(self.dir, man)
+            except OSError as e:
+                raise self._error(e, "marking an update in progress in", "MANIFEST", None) from e
+            self._marked = True
 
     def _manifest_entry(self, key: str, slot: int) -> dict[str, Any]:
         entry = {"slot": slot, "spec": self._specs[key].to_json(), "local": self._local[key]}
@@ -406,6 +454,9 @@ class NvmeTier:
             self._inflight.clear()
             self._failed.clear()
         self._sums.drop_pending()
+        if self.update != "double_slot":  # the slot written is the committed one: it stays (half-updated, marked)
+            self._broken = self.update == "in_place" and self._marked
+            return
         for key, slot in dead.items():
             self._arrays.delete(key, slot)
 

@@ -38,7 +38,7 @@ from zinf_jax.tiers.checksum import ALGORITHM
 from zinf_jax.tiers.direct import ALIGN, ZARR3_CODECS, ZARR3_KEY_ENCODING
 
 __all__ = ["MANIFEST", "FORMAT", "Committed", "read_manifest", "load_manifest", "lock_dir", "unlock", "SlotArrays",
-           "io_error", "write_manifest", "check_dir", "chunk_shape", "syncfs", "key_dir"]
+           "io_error", "write_manifest", "half_updated", "check_dir", "chunk_shape", "syncfs", "key_dir"]
 
 MANIFEST = "MANIFEST.json"
 FORMAT = "zinf_jax.nvme/1"
@@ -57,6 +57,9 @@ class Committed:
     """The committed slot (0 or 1) of each key."""
     sums: dict[str, dict[int, list[str]]]
     """Digests of each shard's chunk files, for the keys committed with checksums."""
+    in_progress: dict[str, Any] | None = None
+    """Set while an in-place generation is being written (see :class:`~zinf_jax.tiers.nvme.NvmeTier`): the data
+    may be half-updated."""
 
 
 def _damaged_manifest(path: Path, why: str) -> TierDataError:
@@ -73,6 +76,8 @@ def _check_manifest(man: Any) -> None:
         raise ValueError("not a manifest object with 'generation' and 'keys'")
     if not isinstance(man.get("metadata", {}), dict):
         raise ValueError("'metadata' is not an object")
+    if not isinstance(man.get("in_progress") or {}, dict):
+        raise ValueError("'in_progress' is not an object")
     if man.get("checksum", ALGORITHM) != ALGORITHM:
         raise ValueError(f"checksums of kind {man['checksum']!r}, this version reads {ALGORITHM!r}")
     for key, v in man["keys"].items():
@@ -117,6 +122,7 @@ def load_manifest(process_dir: Path) -> Committed:
         local={k: [int(i) for i in v["local"]] for k, v in keys.items()},
         slot={k: int(v["slot"]) for k, v in keys.items()},
         sums={k: {int(i): list(d) for i, d in v["checksums"].items()} for k, v in keys.items() if v.get("checksums")},
+        in_progress=man.get("in_progress"),
     )
 
 
@@ -175,6 +181,18 @@ def key_dir(key: str) -> str:
     """A key as a relative directory path (characters outside ``[A-Za-z0-9._-]`` become ``_``)."""
     parts = [re.sub(r"[^A-Za-z0-9._-]", "_", p) or "_" for p in key.split("/")]
     return "/".join(p if p not in (".", "..") else "_" + p for p in parts)
+
+
+def half_updated(process_dir: Path, in_progress: Mapping[str, Any]) -> TierDataError:
+    """The error for a directory whose in-place update was interrupted (its data mixes two steps)."""
+    return TierDataError(
+        f"nvme tier: {str(process_dir)!r} is half-updated: an in-place update of generation "
+        f"{in_progress.get('generation')} (metadata {in_progress.get('metadata', {})}) was in progress when its "
+        "process stopped, so its shards mix two steps and cannot be trained on. Rebuild it from the newest "
+        "checkpoint: `zinf-jax train --resume` does so, or delete the directory (use an empty offload path) and "
+        "zinf_jax.restore(...) from a checkpoint. (ZeroConfig(nvme_update='double_slot') keeps every step durable "
+        "at twice the disk.)"
+    )
 
 
 def write_manifest(process_dir: Path, manifest: Mapping[str, Any]) -> None:

@@ -22,6 +22,7 @@ def open_tier(
     placement: Callable[[int], jax.Device] | None = None,
     max_in_flight_bytes: int = 1 << 30,
     direct_io: bool = False,
+    update: str = "double_slot",
 ) -> Tier:
     """Opens the tier an offload setting names.
 
@@ -34,6 +35,7 @@ def open_tier(
       placement: shard index to the device that owns it (memory tiers).
       max_in_flight_bytes: back-pressure bound.
       direct_io: bypass the page cache (nvme).
+      update: ``"double_slot"``, ``"in_place"`` or ``"scratch"`` (nvme; see :class:`NvmeTier`).
 
     Raises:
       ValueError: unknown device or missing path.
@@ -54,5 +56,5 @@ def open_tier(
             check_dir(Path(root))
             root = os.path.join(root, subdir)
             os.makedirs(root, exist_ok=True)
-        return NvmeTier(root, max_in_flight_bytes=max_in_flight_bytes, direct_io=direct_io)
+        return NvmeTier(root, max_in_flight_bytes=max_in_flight_bytes, direct_io=direct_io, update=update)
     raise ValueError(f"offload device must be 'none', 'cpu' or 'nvme', got {device!r}")
