@@ -89,11 +89,11 @@ class Engine:
                                     master=self.optimizer.read_state_async,
                                     master_paths=self.trainable if shared else ())
             if init == "fresh":
-                def to_optimizer(path: str, arr: jax.Array) -> None:
+                def to_optimizer(path: str, arr: jax.Array) -> list:
                     if path not in self.trainable:  # frozen: only its compute-dtype copy in the param tier
-                        return
-                    for idx, shard in split_local(self.layouts[path], mesh, arr).items():
-                        self.optimizer.init_shard(path, idx, np.asarray(shard, np.float32))
+                        return []
+                    return [f for idx, shard in split_local(self.layouts[path], mesh, arr).items()
+                            for f in self.optimizer.init_shard(path, idx, np.asarray(shard, np.float32), wait=False)]
 
                 init_unit_by_unit(adapter, self.store, on_param=to_optimizer, metadata={"step": 0},
                                   values=None if pretrained is None else pretrained.read)
@@ -153,7 +153,10 @@ class Engine:
 
         Returns:
           ``loss``, ``grad_norm``, ``skipped``, ``loss_scale``, ``lr``, ``step``,
-          ``step_time_s``, ``tokens_per_s`` (elements of the first batch leaf),
+          ``step_time_s``, ``time_split`` (seconds: ``forward_backward_s`` of which
+          ``fetch_wait_s`` waiting for parameter reads and ``grads_out_s`` writing
+          gradients out, and the optimizer's ``optimizer_*`` phases: ``read_wait_s``,
+          ``adam_s``, ``write_wait_s``, ``total_s``...), ``tokens_per_s`` (elements of the first batch leaf),
           ``peak_device_bytes``, ``bytes_param_tier``, ``bytes_optimizer_tier``,
           and ``aux`` when ``loss_fn`` returns one (a list of ``k`` auxes with accumulation).
 
@@ -164,6 +167,7 @@ class Engine:
         """
         self._usable("train_step", batch)
         t0 = time.perf_counter()
+        waits = self.streamed.prefetcher.wait_s, self._grads_out_s()
         k = self.config.gradient_accumulation_steps
         parts = micro_batches(batch, k)  # before any state changes: a batch that does not split is refused
         glue = self.store.fetch(self.adapter.glue_paths)
@@ -191,6 +195,7 @@ class Engine:
         def write_param(path: str, index: int, value: np.ndarray) -> Any:
             return self.store.put_local(path, index, value)  # the driver keeps the buffer until this resolves
 
+        t1 = time.perf_counter()
         m = self.optimizer.step(self.streamed.sink.source, write_param)
         self.streamed.sink.clear()
         meta = {"step": self.optimizer.step_count}
@@ -202,6 +207,9 @@ class Engine:
             "loss": loss,
             **m,
             "step_time_s": elapsed,
+            "time_split": {"forward_backward_s": t1 - t0, "fetch_wait_s": self.streamed.prefetcher.wait_s - waits[0],
+                           "grads_out_s": self._grads_out_s() - waits[1],
+                           **{f"optimizer_{k}": v for k, v in self.optimizer.last_stats.items()}},
             "tokens_per_s": k * math.prod(first.shape) / elapsed,
             "peak_device_bytes": self.streamed.peak_device_bytes,
             "bytes_param_tier": _tier_bytes(self.param_tier),
@@ -211,6 +219,9 @@ class Engine:
         if self.has_aux:
             out["aux"] = aux
         return out
+
+    def _grads_out_s(self) -> float:
+        return 0.0 if self.optimizer.grads is None else self.optimizer.grads.seconds
 
     def eval_step(self, batch: Any, *, loss_fn: Callable | None = None) -> Any:
         """Forward only, streamed, in evaluation mode: the loss (and aux if the loss returns one).

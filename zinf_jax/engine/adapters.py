@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Callable, Hashable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Hashable, Iterator, Mapping, Protocol, Sequence
 
 import jax
 
-__all__ = ["Hook", "HookSlot", "Adapter", "EngineError", "exact_jit_call", "leaf_paths", "get_path"]
+__all__ = ["InitTrace", "Hook", "HookSlot", "Adapter", "EngineError", "exact_jit_call", "leaf_paths", "get_path"]
 
 
 class EngineError(RuntimeError):
@@ -99,12 +99,59 @@ class Adapter(Protocol):
 # XLA's algebraic simplifier reassociates constant multiplies (x * sqrt2 * std), so a
 # jitted initialiser would differ in the last bit from eager construction. With it
 # off, the unit-by-unit init reproduces eager construction bit for bit.
-_EXACT = {"xla_disable_hlo_passes": "algsimp"}
+_EXACT = {"xla_disable_hlo_passes": "algsimp,constant_folding"}
 
 
 def exact_jit_call(fn: Callable[[], Any], out_shardings: Any) -> Any:
     """Compiles ``fn`` (no arguments) with eager-exact arithmetic and runs it."""
     return jax.jit(fn, out_shardings=out_shardings).lower().compile(compiler_options=_EXACT)()
+
+
+class InitTrace:
+    """A model's initialisers traced once, then cut down to each batch of parameters and compiled alone.
+
+    Tracing the whole constructor for every batch of units made init time grow
+    with depth squared (each trace is as long as the model). Here the
+    constructor is traced once to a jaxpr; a batch keeps only the equations its
+    parameters depend on (dead-code elimination), so each program is as small
+    as its units and init time grows linearly in depth. The equations are the
+    constructor's own, so the values are bitwise those of eager construction.
+
+    Args:
+      values: ``values() -> {path: array}``, every parameter of the constructed model.
+      order: the paths, in a fixed order.
+    """
+
+    def __init__(self, values: Callable[[], Mapping[str, Any]], order: Sequence[str]):
+        from jax._src.interpreters import partial_eval as pe
+
+        self._order = {p: i for i, p in enumerate(order)}
+        def all_values() -> list[Any]:
+            flat = values()  # the constructor runs once
+            return [flat[p] for p in order]
+
+        closed = jax.make_jaxpr(all_values)()
+        self._jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)  # constants become leading inputs
+        self._consts = list(closed.consts)
+
+    def run(self, paths: Sequence[str], transform: Callable[[str, Any], Any], shardings: Sequence[Any]) -> list[Any]:
+        """``transform(path, value)`` of ``paths``, computed by one compiled program, placed with ``shardings``."""
+        from jax._src import core
+        from jax._src.interpreters import partial_eval as pe
+
+        want = [self._order[p] for p in paths]
+        used = [False] * len(self._jaxpr.outvars)
+        for i in want:
+            used[i] = True
+        jaxpr, used_in = pe.dce_jaxpr(self._jaxpr, used)
+        consts = [c for c, u in zip(self._consts, used_in) if u]
+        pos = {i: k for k, i in enumerate(sorted(set(want)))}  # the kept outputs stay in their order
+
+        def f():
+            outs = core.eval_jaxpr(jaxpr, [], *consts)
+            return [transform(p, outs[pos[i]]) for p, i in zip(paths, want)]
+
+        return exact_jit_call(f, list(shardings))
 
 
 def kp_tuple(kp: Sequence[Any]) -> tuple[Any, ...]:

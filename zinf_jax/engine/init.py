@@ -67,13 +67,16 @@ def init_unit_by_unit(
     Args:
       adapter: the model adapter.
       store: the parameter store to fill (committed at the end).
-      on_param: called with ``(path, stored_fp32_array)`` for each parameter.
+      on_param: called with ``(path, stored_fp32_array)`` for each parameter; may
+        return futures of writes still using the array (waited for after the next
+        batch is created, so that creating and writing overlap).
       metadata: committed with the store.
       batch_bytes: fp32 bytes one init program may create (see the module doc).
       values: ``values(paths) -> host arrays``: given values (pretrained
         weights, :class:`~zinf_jax.engine.pretrained.Pretrained`) instead of
         the model's initialisers, read batch by batch too.
     """
+    previous: list = []  # writes of the batch before, still in flight
     for group in param_batches(adapter, batch_bytes):
         if values is None:
             arrays: Sequence[jax.Array] = adapter.init_params(
@@ -86,10 +89,13 @@ def init_unit_by_unit(
         for path, arr in zip(group, arrays):
             futures += store.put_array(path, arr)
             if on_param is not None:
-                on_param(path, arr)
-        for f in futures:
+                futures += on_param(path, arr) or []
+        for f in previous:  # the batch before was written while this one was created
             f.result()
+        previous = futures
         del arrays
+    for f in previous:
+        f.result()
     store.commit(metadata)
 
 

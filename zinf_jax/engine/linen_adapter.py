@@ -33,7 +33,7 @@ from flax import traverse_util
 from flax.core import DenyList, meta
 from flax.core.scope import LazyRng
 
-from zinf_jax.engine.adapters import Hook, HookSlot, exact_jit_call
+from zinf_jax.engine.adapters import Hook, HookSlot, InitTrace, exact_jit_call
 from zinf_jax.units import Unit, UnitPolicy, nbytes_of, path_str, select_units
 
 __all__ = ["LinenAdapter"]
@@ -96,6 +96,7 @@ class LinenAdapter:
         self.hook = HookSlot()
         self._inside = threading.local()  # depth of unit programs being traced on this thread
         self._run = threading.local()  # calls per unit in the apply in progress
+        self._init_trace: InitTrace | None = None  # the initialisers, traced at the first init_params
         seen: dict[tuple, nn.Module] = {}
         calls: dict[tuple, tuple[str, Any, Any]] = {}
 
@@ -206,11 +207,11 @@ class LinenAdapter:
         return inputs[2], inputs[3]
 
     def init_params(self, paths: Sequence[str], transform: Callable, shardings: Sequence[Any]) -> list[jax.Array]:
-        def f():
-            flat = {path_str(p): v for p, v in traverse_util.flatten_dict(meta.unbox(self._init()["params"])).items()}
-            return [transform(p, flat[p]) for p in paths]
-
-        return exact_jit_call(f, list(shardings))
+        if self._init_trace is None:
+            self._init_trace = InitTrace(
+                lambda: {path_str(p): v for p, v in traverse_util.flatten_dict(meta.unbox(self._init()["params"])).items()},
+                list(self.abstract_params))
+        return self._init_trace.run(paths, transform, shardings)
 
     def init_state(self, sharding: Any) -> Any:
         """The non-parameter collections (``batch_stats``, ...) as ``init`` creates them, replicated."""

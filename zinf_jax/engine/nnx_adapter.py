@@ -26,7 +26,7 @@ from typing import Any, Callable, Hashable, Sequence
 import jax
 from flax import nnx
 
-from zinf_jax.engine.adapters import EngineError, Hook, HookSlot, exact_jit_call, get_path, leaf_paths
+from zinf_jax.engine.adapters import EngineError, Hook, HookSlot, InitTrace, exact_jit_call, get_path, leaf_paths
 from zinf_jax.units import Unit, UnitPolicy, UnitPolicyError, nbytes_of, path_str, select_units
 
 __all__ = ["NnxAdapter", "UnitProxy"]
@@ -139,6 +139,7 @@ class NnxAdapter:
         self.constructor = constructor
         self.hook = HookSlot()
         self._run = threading.local()  # sown attributes added during the pass in progress
+        self._init_trace: InitTrace | None = None  # the initialisers, traced at the first init_params
         abstract = nnx.eval_shape(constructor)
         canon = {id(v): path_str(p) for p, v in nnx.iter_graph(abstract) if isinstance(v, nnx.Param)}
         pstate = nnx.state(abstract, nnx.Param)
@@ -250,13 +251,14 @@ class NnxAdapter:
                     added.append((parent, name))
 
     def init_params(self, paths: Sequence[str], transform: Callable, shardings: Sequence[Any]) -> list[jax.Array]:
-        def f():
-            model = self.constructor()
-            canon = {id(v): path_str(p) for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)}
-            flat = {canon[id(v)]: v.get_value() for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)}
-            return [transform(p, flat[p]) for p in paths]
+        if self._init_trace is None:
+            def values():
+                model = self.constructor()
+                canon = {id(v): path_str(p) for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)}
+                return {canon[id(v)]: v.get_value() for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)}
 
-        return exact_jit_call(f, list(shardings))
+            self._init_trace = InitTrace(values, list(self.abstract_params))
+        return self._init_trace.run(paths, transform, shardings)
 
     def _state_of(self, model: nnx.Module) -> Any:
         self._wrap(model)

@@ -9,6 +9,8 @@ demand and recorded, so the next step can use the order actually seen.
 """
 from __future__ import annotations
 
+import time
+
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Sequence
 
@@ -43,6 +45,8 @@ class Prefetcher:
         self.depth = depth
         self.max_live_bytes = max_live_bytes
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="zinf-prefetch")
+        self.wait_s = 0.0
+        """Seconds :meth:`take` spent waiting for fetches not yet done, since construction."""
         self._schedule: tuple[Call, ...] = ()
         self._pos = 0
         self._inflight: dict[int, Future] = {}
@@ -83,7 +87,9 @@ class Prefetcher:
                 fut = done_future(self._current[1])
             else:
                 fut = self._submit(uid)
+        t = time.perf_counter()
         arrays = fut.result()
+        self.wait_s += time.perf_counter() - t
         self._current = (uid, arrays)
         self._fill()
         return arrays

@@ -141,7 +141,7 @@ class StreamedOptimizer:
             self._zeros.flags.writeable = False
         return self._zeros
 
-    def init_shard(self, path: str, index: int, master: np.ndarray) -> None:
+    def init_shard(self, path: str, index: int, master: np.ndarray, *, wait: bool = True) -> list[Future]:
         """Writes one shard's initial state: ``master`` and zero moments, chunk by chunk.
 
         Args:
@@ -149,6 +149,9 @@ class StreamedOptimizer:
           index: the shard index (one of ``local_indices(path)``).
           master: the float32 stored-form shard (``layout.shard_shape``); other
             float dtypes are converted one chunk at a time.
+          wait: return once the writes are done; ``False``: return the futures
+            of the last writes still in flight (``master`` must stay unchanged
+            until they resolve), so that the caller can compute meanwhile.
 
         Raises:
           ValueError: ``master`` has the wrong number of elements.
@@ -169,8 +172,10 @@ class StreamedOptimizer:
                 futs.append(self.tier.put(f"{s}/{path}", index * n + c, zeros if states is None else states[k]))
             if len(futs) >= 3 * self.buffer_count:  # bound the caller-visible memory in flight
                 futs.pop(0).result()
-        for f in futs:
-            f.result()
+        if wait:
+            for f in futs:
+                f.result()
+        return futs
 
     def read_master(self, path: str, index: int) -> np.ndarray:
         """The float32 master shard (stored form, ``layout.shard_shape``) as currently stored."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from concurrent.futures import Future
 from typing import Callable, Mapping
 
@@ -53,6 +54,8 @@ class TierGrads:
         self._sums: dict[tuple[str, int], list[float]] = {}
         self._pending: list[Future] = []
         self._lock = threading.Lock()
+        self.seconds = 0.0
+        """Seconds spent in :meth:`add` (norms, padding, read-back, queueing writes) since construction."""
 
     def declare(self) -> None:
         """Declares ``grad/<path>`` for every path (one key per path, the optimizer's chunk layout)."""
@@ -63,6 +66,7 @@ class TierGrads:
 
     def add(self, path: str, index: int, grad: np.ndarray) -> None:
         """Adds one gradient shard (stored form, any float dtype) of ``path`` to what this step holds."""
+        t0 = time.perf_counter()
         numel, chunk, n, _ = self._geo[path]
         flat = np.asarray(grad, np.float32).reshape(-1)
         if flat.shape[0] != numel:
@@ -86,6 +90,7 @@ class TierGrads:
         with self._lock:
             self._sums[key] = sums
             self._pending = [f for f in self._pending if not f.done()] + futs
+            self.seconds += time.perf_counter() - t0
 
     def has(self, path: str, index: int) -> bool:
         """Whether shard ``index`` of ``path`` received a gradient this step."""

@@ -1,0 +1,229 @@
+"""Trains the bundled GPT at a given size on the nvme tiers and reports where time, RAM and disk go.
+
+One run = one model size, in this process (``JAX_NUM_CPU_DEVICES`` is set before
+JAX starts). It measures, side by side in the same run:
+
+* raw disk bandwidth on the offload path (O_DIRECT sequential write + fsync,
+  cold read; :mod:`bench_tiers`);
+* ``zinf_jax.initialize`` with params and optimizer on nvme: seconds, bytes
+  written, GB/s and its ratio to the raw write bandwidth;
+* ``--steps`` training steps: step time split (forward+backward, of which
+  waiting for parameter fetches and writing gradients out; the optimizer's read
+  wait, update, write wait), bytes read and written per tier, and the time
+  those bytes need at raw disk bandwidth (the I/O bound of the step);
+* peak RSS growth over the post-import baseline (sampled every 50 ms, and
+  ``VmHWM``), bytes on disk (``du``) per parameter;
+* the memory estimate (:func:`zinf_jax.estimate_from_sizes`) next to them;
+* optionally (``--cpu-ref-layers``) the compute time of the same step with both
+  tiers on cpu, measured at a depth that fits in RAM and scaled linearly in depth
+  (every block is the same), for the overlap ratio
+  ``step / max(compute, io_bytes / raw bandwidth)``.
+
+Writes ``--out`` (JSON); ``scripts/scale_plot.py`` draws the table and PNG of several runs.
+
+Usage::
+
+    python scripts/scale_run.py --layers 8 [--d-model 2048] [--steps 3] [--dir /var/tmp/zinf_scale]
+        [--devices 8] [--batch 8] [--seq 64] [--cpu-ref-layers 2] [--out results/scale_run_L8.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+GB = 1e9
+GiB = 1 << 30
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class RssSampler:
+    """Peak RSS since :meth:`reset`, sampled on a thread (the kernel's VmHWM is reset too)."""
+
+    def __init__(self, interval: float = 0.05):
+        self.interval, self.peak, self._stop = interval, 0, threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, _rss())
+
+    def reset(self) -> None:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        self.peak = _rss()
+
+    def read(self) -> int:
+        with open("/proc/self/status") as f:
+            hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+        return max(self.peak, hwm, _rss())
+
+
+def raw_disk(root: Path, nbytes: int = 2 << 30) -> dict[str, float]:
+    """Sequential O_DIRECT write (fresh files, fsync) and cold read on ``root``: GB/s."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_tiers import _aligned, raw_read, raw_write
+
+    d = root / "raw"
+    d.mkdir(parents=True, exist_ok=True)
+    nfiles, size = 8, nbytes // 8
+    bufs = [_aligned(size) for _ in range(4)]
+    try:
+        w = raw_write(d, size, nfiles, 4, bufs)
+        r = raw_read(d, size, nfiles, 4, bufs)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    return {"write_GBps": w, "read_GBps": r, "bytes": nbytes}
+
+
+def _du(path: Path) -> int:
+    return int(subprocess.run(["du", "-sb", str(path)], capture_output=True, text=True).stdout.split()[0])
+
+
+def _tiers(engine) -> dict:
+    return {"params": engine.param_tier, "optimizer": engine.opt_tier, "grads": engine.grad_tier}
+
+
+def _io(engine) -> dict[str, tuple[int, int]]:
+    return {k: (getattr(t, "bytes_read", 0), getattr(t, "bytes_written", 0)) for k, t in _tiers(engine).items() if t}
+
+
+def _steps(engine, data, cfg, args, raw: dict) -> list[dict]:
+    from zinf_jax.models import batch_at
+
+    out = []
+    for s in range(args.steps):
+        before = _io(engine)
+        m = engine.train_step(batch_at(data, s, args.batch, cfg.seq))
+        after = _io(engine)
+        rd = {k: after[k][0] - before[k][0] for k in after}
+        wr = {k: after[k][1] - before[k][1] for k in after}
+        io_s = sum(rd.values()) / (raw["read_GBps"] * GB) + sum(wr.values()) / (raw["write_GBps"] * GB)
+        out.append({"step": s + 1, "loss": m["loss"], "step_time_s": m["step_time_s"], "time_split": m["time_split"],
+                    "bytes_read": rd, "bytes_written": wr, "io_bound_s": io_s})
+        print(f"step {s + 1}: loss {m['loss']:.4f} {m['step_time_s']:.1f} s (io bound {io_s:.1f} s) "
+              f"{json.dumps({k: round(v, 2) for k, v in m['time_split'].items() if isinstance(v, float)})}", flush=True)
+    return out
+
+
+def cpu_reference(args, n_layers: int) -> float:
+    """Median step time (after the first) with both tiers on cpu at ``n_layers``."""
+    import numpy as np
+    import zinf_jax as zinf
+    from zinf_jax.models import GPT, GPTConfig, corpus, batch_at, lm_loss
+    from flax import nnx
+
+    cfg = GPTConfig(d_model=args.d_model, n_heads=args.heads, n_layers=n_layers, seq=args.seq)
+    config = zinf.ZeroConfig(offload_param=zinf.Offload("cpu"), offload_optimizer=zinf.Offload("cpu"),
+                             compute_dtype=args.compute_dtype)
+    eng = zinf.initialize(lambda: GPT(cfg, rngs=nnx.Rngs(0)), config=config, loss_fn=lm_loss,
+                          optimizer=zinf.adamw(1e-4))
+    data = corpus()
+    times = [eng.train_step(batch_at(data, s, args.batch, cfg.seq))["step_time_s"] for s in range(3)]
+    eng.close()
+    return float(np.median(times[1:]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, required=True)
+    ap.add_argument("--d-model", type=int, default=2048)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--devices", type=int, default=8)
+    ap.add_argument("--compute-dtype", default="float32")
+    ap.add_argument("--nvme-update", default="in_place", choices=("in_place", "double_slot"))
+    ap.add_argument("--cpu-ref-layers", type=int, default=0,
+                    help="also time the step with both tiers on cpu at this depth and at 1 layer (0: skip)")
+    ap.add_argument("--dir", default="/var/tmp/zinf_scale")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(args.devices))
+    os.environ["JAX_NUM_CPU_DEVICES"] = str(args.devices)
+
+    import numpy as np
+    import jax
+    from flax import nnx
+    import zinf_jax as zinf
+    from zinf_jax.models import GPT, GPTConfig, corpus, lm_loss
+
+    root = Path(args.dir)
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    out_path = Path(args.out or f"results/scale_run_d{args.d_model}_L{args.layers}.json")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    result: dict = {"args": vars(args), "jax": jax.__version__, "devices": len(jax.devices())}
+    try:
+        result["raw_disk"] = raw = raw_disk(root)
+        print(f"raw disk: write {raw['write_GBps']:.2f} GB/s, read {raw['read_GBps']:.2f} GB/s", flush=True)
+        cfg = GPTConfig(d_model=args.d_model, n_heads=args.heads, n_layers=args.layers, seq=args.seq)
+        config = zinf.ZeroConfig(offload_param=zinf.Offload("nvme", path=str(root)),
+                                 offload_optimizer=zinf.Offload("nvme", path=str(root)),
+                                 compute_dtype=args.compute_dtype, nvme_update=args.nvme_update)
+        sampler = RssSampler()
+        _ = jax.device_put(np.zeros(8))  # backend up before the baseline
+        sampler.reset()
+        base = _rss()
+        t0 = time.perf_counter()
+        eng = zinf.initialize(lambda: GPT(cfg, rngs=nnx.Rngs(0)), config=config, loss_fn=lm_loss,
+                              optimizer=zinf.adamw(1e-4))
+        init_s = time.perf_counter() - t0
+        n = sum(lay.size for lay in eng.layouts.values())
+        init_bytes = sum(w for _, w in _io(eng).values())
+        init_peak = sampler.read() - base
+        result["params"] = n
+        result["init"] = {"seconds": init_s, "bytes_written": init_bytes, "GBps": init_bytes / init_s / GB,
+                          "ratio_to_raw_write": init_bytes / init_s / GB / raw["write_GBps"],
+                          "rss_growth": init_peak}
+        print(f"{n / 1e9:.2f}B params; init {init_s:.1f} s, {init_bytes / GB:.1f} GB "
+              f"({result['init']['ratio_to_raw_write']:.2f}x raw write), RSS +{init_peak / GiB:.2f} GiB", flush=True)
+        result["steps"] = _steps(eng, corpus(), cfg, args, raw)
+        result["rss_growth"] = sampler.read() - base
+        eng.close()
+        disk = _du(root)
+        result["disk"] = {"bytes": disk, "bytes_per_param": disk / n,
+                          "per_tier": {s: _du(root / s) for s in ("params", "optimizer", "grads") if (root / s).exists()}}
+        from zinf_jax.estimate import estimate_from_sizes
+
+        est = estimate_from_sizes(None, args.layers, args.d_model, cfg.vocab, args.seq, args.batch,
+                                       n_devices=args.devices, heads=args.heads, config=config,
+                                       configurations=[("nvme", "nvme")])[0]
+        result["estimate"] = {"host_rss_bytes": est.host_bytes + est.host_overhead_bytes + est.device_bytes_local,
+                              "nvme_bytes": est.nvme_bytes, "params": est.params}
+        result["estimate"]["rss_ratio"] = result["estimate"]["host_rss_bytes"] / (result["rss_growth"] + base)
+        result["estimate"]["nvme_ratio"] = est.nvme_bytes / disk
+        if args.cpu_ref_layers:
+            t1, tl = cpu_reference(args, 1), cpu_reference(args, args.cpu_ref_layers)
+            per_layer = (tl - t1) / max(args.cpu_ref_layers - 1, 1)
+            compute = t1 + per_layer * (args.layers - 1)
+            steady = [s for s in result["steps"][1:]] or result["steps"]
+            step = float(np.median([s["step_time_s"] for s in steady]))
+            io = float(np.median([s["io_bound_s"] for s in steady]))
+            result["overlap"] = {"cpu_step_1_layer_s": t1, f"cpu_step_{args.cpu_ref_layers}_layers_s": tl,
+                                 "compute_s": compute, "io_bound_s": io, "step_s": step,
+                                 "ratio": step / max(compute, io)}
+            print(f"overlap: step {step:.1f} s vs compute {compute:.1f} s, io {io:.1f} s: "
+                  f"{result['overlap']['ratio']:.2f}x", flush=True)
+        print(f"RSS growth {result['rss_growth'] / GiB:.2f} GiB; disk {disk / GB:.1f} GB = "
+              f"{disk / n:.1f} B/param; estimate rss x{result['estimate']['rss_ratio']:.2f}, "
+              f"nvme x{result['estimate']['nvme_ratio']:.2f}", flush=True)
+    finally:
+        out_path.write_text(json.dumps(result, indent=1, default=float))
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
