@@ -53,12 +53,12 @@ def test_defaults():
     c = ZeroConfig()
     assert c.offload_param == Offload("none")
     assert c.offload_optimizer == Offload("cpu")
-    assert (c.prefetch_depth, c.prefetch_bucket_size, c.max_live_bytes) == (2, 50_000_000, None)
+    assert (c.prefetch_depth, c.max_live_bytes, c.nvme_update) == (2, None, "in_place")
     assert (c.persistence_threshold, c.sub_group_size, c.max_in_flight_bytes) == (100_000, 10**9, 1 << 30)
     assert c.aio == AioConfig() and c.loss_scale == LossScaleConfig() and c.optimizer is None
     o = Offload()
-    assert (o.device, o.path, o.pin_memory, o.buffer_count, o.buffer_size, o.max_in_cpu) == (
-        "none", None, True, 5, 100_000_000, 10**9)
+    assert (o.device, o.path, o.buffer_count, o.direct_io) == ("none", None, 5, False)
+    assert (c.aio.block_size, c.aio.intra_op_parallelism) == (None, None)  # the nvme tier's own defaults
 
 
 def test_offload_device_is_the_only_positional_field():
@@ -86,11 +86,11 @@ def test_pathlike_path_becomes_str(tmp_path):
 
 
 def test_integral_floats_are_ints():
-    o = Offload("cpu", buffer_size=1e8, max_in_cpu=1e9)
-    assert o.buffer_size == 100_000_000 and type(o.buffer_size) is int
+    o = Offload("cpu", buffer_count=4.0)
+    assert o.buffer_count == 4 and type(o.buffer_count) is int
     assert type(ZeroConfig(sub_group_size=1e6).sub_group_size) is int
-    with pytest.raises(ConfigError, match=r"Offload\.buffer_size"):
-        Offload("cpu", buffer_size=1.5)
+    with pytest.raises(ConfigError, match=r"Offload\.buffer_count"):
+        Offload("cpu", buffer_count=1.5)
 
 
 @pytest.mark.parametrize("cls, kwargs, expected", [
@@ -98,9 +98,11 @@ def test_integral_floats_are_ints():
     (Offload, {"buffer_count": -1}, ["Offload.buffer_count", ">= 1"]),
     (Offload, {"buffer_count": "5"}, ["Offload.buffer_count", "integer"]),
     (Offload, {"buffer_count": True}, ["Offload.buffer_count", "integer"]),
-    (Offload, {"pin_memory": 1}, ["Offload.pin_memory", "true or false"]),
+    (Offload, {"direct_io": 1}, ["Offload.direct_io", "true or false"]),
     (Offload, {"path": ""}, ["Offload.path"]),
-    (AioConfig, {"queue_depth": 0}, ["AioConfig.queue_depth", ">= 1"]),
+    (AioConfig, {"intra_op_parallelism": 0}, ["AioConfig.intra_op_parallelism", ">= 1"]),
+    (AioConfig, {"block_size": 100}, ["AioConfig.block_size", ">= 4096"]),
+    (ZeroConfig, {"nvme_update": "copy"}, ["ZeroConfig.nvme_update", "'in_place'", "'double_slot'"]),
     (LossScaleConfig, {"min_scale": 0}, ["LossScaleConfig.min_scale", "> 0"]),
     (LossScaleConfig, {"window": 2.5}, ["LossScaleConfig.window", "integer"]),
     (OptimizerConfig, {"name": "sgd"}, ["OptimizerConfig.name", "'adam'", "'adamw'"]),
@@ -135,9 +137,9 @@ def test_resolved_compute_dtype():
 def test_dict_round_trip_through_json():
     config = ZeroConfig(
         offload_param=Offload("nvme", path="/nvme/p", buffer_count=3, direct_io=True),
-        offload_optimizer=Offload("nvme", path="/nvme/o", pipeline_read=True, pipeline_write=True),
+        offload_optimizer=Offload("nvme", path="/nvme/o", buffer_count=2), nvme_update="double_slot",
         prefetch_depth=0, max_live_bytes=1 << 28, compute_dtype="float16",
-        aio=AioConfig(queue_depth=32, intra_op_parallelism=4),
+        aio=AioConfig(block_size=1 << 20, intra_op_parallelism=4),
         loss_scale=LossScaleConfig(enabled=True, window=500),
         optimizer=OptimizerConfig(name="adam", lr=3e-4, weight_decay=0.1), gradient_clipping=1.0, seed=7)
     d = json.loads(json.dumps(config.to_dict()))
@@ -172,30 +174,34 @@ def test_from_dict_bad_value_names_field():
 def test_deepspeed_zero_infinity_cpu_example():
     c, msgs = _from_deepspeed(DATA / "ds_offload_cpu.json")
     assert c.offload_param == Offload("cpu") and c.offload_optimizer == Offload("cpu", buffer_count=4)
-    assert (c.prefetch_bucket_size, c.persistence_threshold, c.max_reuse_distance, c.sub_group_size) == (
-        10_000_000, 100_000, 10**9, 10**9)
+    assert (c.persistence_threshold, c.sub_group_size) == (100_000, 10**9)
     assert c.compute_dtype == "float32" and c.max_live_bytes == 4 * 10**9  # fp32: 4 bytes per element
     assert c.optimizer is None and c.loss_scale == LossScaleConfig() and c.gradient_clipping == 0.0
     assert len(msgs) == 1
-    assert "zero_optimization.contiguous_gradients, zero_optimization.reduce_bucket_size" in msgs[0]
+    assert ("zero_optimization.contiguous_gradients, zero_optimization.reduce_bucket_size, "
+            "zero_optimization.stage3_max_reuse_distance, zero_optimization.stage3_prefetch_bucket_size") in msgs[0]
 
 
 def test_deepspeed_zero_infinity_nvme_example():
     c, msgs = _from_deepspeed(str(DATA / "ds_infinity_nvme.json"))
-    assert c.offload_param == Offload("nvme", path="/local_nvme", pin_memory=True, buffer_count=5,
-                                      buffer_size=100_000_000, max_in_cpu=10**9)
+    assert c.offload_param == Offload("nvme", path="/local_nvme", buffer_count=5)
     assert c.offload_optimizer == Offload("nvme", path="/local_nvme", buffer_count=4)
-    assert c.aio == AioConfig(block_size=1_048_576, queue_depth=8, intra_op_parallelism=1,
-                              single_submit=False, overlap_events=True)
+    assert c.aio == AioConfig(block_size=1_048_576, intra_op_parallelism=1)
+    assert c.inert_settings() == []  # offload_param.buffer_count=5 is the default
     assert c.compute_dtype == "float16" and c.max_live_bytes == 2 * 10**9  # fp16: 2 bytes per element
     assert c.loss_scale == LossScaleConfig(enabled=True, static_scale=0.0, initial_scale_power=16, window=1000,
                                            hysteresis=2, min_scale=1.0, consecutive_hysteresis=False)
     # DeepSpeed's "Adam" applies decoupled weight decay unless params.adam_w_mode is false.
     assert c.optimizer == OptimizerConfig(name="adamw", lr=1e-3, b1=0.8, b2=0.999, eps=1e-8, weight_decay=3e-7)
-    assert (c.prefetch_bucket_size, c.persistence_threshold, c.gradient_clipping) == (5 * 10**8, 10**6, 1.0)
+    assert (c.persistence_threshold, c.gradient_clipping) == (10**6, 1.0)
     assert len(msgs) == 1
     for key in ("train_batch_size", "fp16.auto_cast", "fp16.fp16_master_weights_and_grads",
-                "zero_optimization.offload_optimizer.ratio", "zero_optimization.offload_optimizer.fast_init"):
+                "zero_optimization.offload_optimizer.ratio", "zero_optimization.offload_optimizer.fast_init",
+                # DeepSpeed knobs with no counterpart here are named, not silently accepted
+                "zero_optimization.offload_param.pin_memory", "zero_optimization.offload_param.buffer_size",
+                "zero_optimization.offload_param.max_in_cpu", "zero_optimization.offload_optimizer.pin_memory",
+                "aio.queue_depth", "aio.single_submit", "aio.overlap_events",
+                "zero_optimization.stage3_max_reuse_distance", "zero_optimization.stage3_prefetch_bucket_size"):
         assert key in msgs[0]
     assert "aio.thread_count" not in msgs[0]  # thread_count is the old name of intra_op_parallelism
 
@@ -204,7 +210,6 @@ def test_deepspeed_auto_values_take_zinf_defaults():
     c, msgs = _from_deepspeed(DATA / "ds_zero3_auto.json")
     d = ZeroConfig()
     assert c.offload_param == Offload("cpu") and c.offload_optimizer == Offload("cpu", buffer_count=4)
-    assert c.prefetch_bucket_size == d.prefetch_bucket_size
     assert c.persistence_threshold == d.persistence_threshold and c.gradient_clipping == 0.0
     assert c.optimizer == OptimizerConfig(name="adamw")
     assert c.compute_dtype is None and not c.loss_scale.enabled  # fp16 "auto": the platform decides
@@ -261,15 +266,13 @@ _NVME = _load("ds_infinity_nvme.json")
     ("zero_optimization.offload_param.device", "disk", ["'none'", "'cpu'", "'nvme'", "'disk'"]),
     ("zero_optimization.offload_optimizer.device", 3, ["'nvme'"]),
     ("zero_optimization.offload_param.buffer_count", -1, [">= 1", "-1"]),
-    ("zero_optimization.offload_param.buffer_size", "1e8", ["integer"]),
-    ("zero_optimization.offload_param.pin_memory", "true", ["true or false"]),
+    ("aio.block_size", "1e6", ["integer"]),
+    ("aio.thread_count", 0, [">= 1"]),
     ("zero_optimization.offload_param.nvme_path", 5, ["directory path"]),
-    ("zero_optimization.stage3_prefetch_bucket_size", "5e8", ["integer"]),
     ("zero_optimization.stage3_max_live_parameters", -5, [">= 1"]),
     ("zero_optimization.sub_group_size", 1.5, ["integer"]),
     ("zero_optimization.offload_optimizer", "cpu", ["JSON object"]),
     ("aio.thread_count", 0, [">= 1"]),
-    ("aio.queue_depth", "8", ["integer"]),
     ("fp16.enabled", "yes", ["true or false"]),
     ("fp16.loss_scale_window", 0, [">= 1"]),
     ("fp16.min_loss_scale", -1, ["> 0"]),

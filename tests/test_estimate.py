@@ -108,7 +108,7 @@ def measure(param: str, opt: str, path) -> tuple[dict, dict]:
         }
     finally:
         engine.close()
-    nvme = sum(os.path.getsize(os.path.join(root, f)) for sub in ("params", "optimizer")
+    nvme = sum(os.path.getsize(os.path.join(root, f)) for sub in ("params", "optimizer", "grads")
                for root, _, files in os.walk(path / sub) for f in files)
     device = parts["device_stream"] + glue + dev_tier
     host = parts["grad_sink"] + buffers + host_tiers
@@ -204,9 +204,13 @@ def test_fits_and_report():
         ests[0].fits(Machine(80 << 30, 1 << 40, 1 << 40, 4))
     with pytest.raises(ValueError, match="configuration"):
         estimate_from_sizes(None, 2, 64, 100, 8, 8, n_devices=8, configurations=[("gpu", "cpu")])
-    for e in ests:  # the nvme tiers keep two slots; memory tiers one copy (12 B/param of optimizer state)
+    two = estimate_from_sizes(None, 2, 64, 100, 8, 8, n_devices=8, config=zinf.ZeroConfig(nvme_update="double_slot"))
+    for e, d in zip(ests, two):  # nvme in place: one copy; double slot: two; memory tiers one copy (12 B/param)
         if e.optimizer_tier == "nvme":
-            assert e.breakdown["nvme.optimizer_state"] >= 2 * 12 * e.params
+            assert 12 * e.params <= e.breakdown["nvme.optimizer_state"] < 12.1 * e.params
+            assert 24 * e.params <= d.breakdown["nvme.optimizer_state"] < 24.1 * e.params
+            assert 4 * e.params <= e.breakdown["nvme.gradients"] == d.breakdown["nvme.gradients"] < 4.1 * e.params
+            assert "host.grad_sink" not in e.breakdown  # gradients leave host RAM as they are produced
         else:
             assert 12 * e.params <= e.breakdown["host.optimizer_state"] < 12.01 * e.params
 

@@ -7,7 +7,9 @@ import pytest
 
 import zinf_jax as zinf
 from test_workflows import batches, config, ctor, flat, optax_run
-from zinf_jax.models import lm_loss
+from flax import nnx
+
+from zinf_jax.models import GPT, GPTConfig, lm_loss
 from zinf_jax.tiers import DeviceTier
 
 
@@ -93,9 +95,39 @@ def test_misuse_fails_before_any_state_changes(tmp_path):
 
 
 def test_settings_without_effect_are_warned():
-    cfg = cpu_config(offload_param=zinf.Offload("cpu", buffer_size=1000), aio=zinf.AioConfig(queue_depth=4),
-                     max_reuse_distance=10)
-    assert cfg.inert_settings() == ["offload_param.buffer_size=1000", "aio.queue_depth=4", "max_reuse_distance=10"]
-    with pytest.warns(UserWarning, match="no effect yet: offload_param.buffer_size=1000, aio.queue_depth=4"):
+    cfg = cpu_config(offload_param=zinf.Offload("cpu", buffer_count=3))  # the optimizer's buffer sets only
+    assert cfg.inert_settings() == ["offload_param.buffer_count=3"]
+    with pytest.warns(UserWarning, match="no effect: offload_param.buffer_count=3"):
         zinf.initialize(ctor, config=cfg, loss_fn=lm_loss).close()
     assert zinf.ZeroConfig().inert_settings() == []
+
+
+def _chunk_files(tier_dir, key):
+    return sorted(p for p in (tier_dir / "process_0" / "data" / key / "s0" / "c").rglob("*") if p.is_file())
+
+
+def test_aio_block_size_and_threads_shape_the_nvme_io(tmp_path):
+    """aio.block_size cuts shards into chunk files of that size; aio.thread_count sizes the I/O pools."""
+    def run(path, aio):
+        path.mkdir()
+        cfg = zinf.ZeroConfig.from_deepspeed({
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 600,
+                                  "offload_param": {"device": "nvme", "nvme_path": str(path)},
+                                  "offload_optimizer": {"device": "nvme", "nvme_path": str(path)}},
+            **({"aio": aio} if aio else {})})
+        eng = zinf.initialize(lambda: GPT(GPTConfig(d_model=128, n_heads=4, n_layers=1, seq=16), rngs=nnx.Rngs(0)),
+                              config=cfg, optimizer=zinf.adamw(1e-3), loss_fn=lm_loss)
+        eng.train_step(batches(1)[0])
+        pools = [(t._io._readers._max_workers, len(t._io._readers._threads), t._io._writers._max_workers)
+                 for t in (eng.param_tier, eng.opt_tier, eng.grad_tier)]
+        eng.close()
+        return pools
+
+    key = "master/blocks/0/up/kernel"  # 128 x 512 fp32 over 8 devices: 32 KiB shards
+    small = run(tmp_path / "a", {"block_size": 8192, "thread_count": 2})
+    default = run(tmp_path / "b", None)
+    got, base = _chunk_files(tmp_path / "a" / "optimizer", key), _chunk_files(tmp_path / "b" / "optimizer", key)
+    assert len(base) == 8 and len(got) == 8 * 4  # one file per shard by default; 8 KiB pieces: 4 per shard
+    assert {f.stat().st_size for f in got} == {8192}
+    assert all(r == w == 2 and live <= 2 for r, live, w in small)  # (small shards go through tensorstore)
+    assert all(r == w == 4 for r, _, w in default)

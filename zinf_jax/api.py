@@ -65,7 +65,8 @@ class Engine:
                                                               adapter.layout_hints, config.zero_axes)
         placement = self._placement()
         po, oo = config.offload_param, config.offload_optimizer
-        tier_kw = dict(placement=placement, max_in_flight_bytes=config.max_in_flight_bytes, update=config.nvme_update)
+        tier_kw = dict(placement=placement, max_in_flight_bytes=config.max_in_flight_bytes, update=config.nvme_update,
+                       chunk_bytes=config.aio.block_size, threads=config.aio.intra_op_parallelism)
         with contextlib.ExitStack() as undo:  # a failure while building releases the tiers (and their locks)
             self.param_tier = open_tier(po.device, path=po.path, subdir="params", direct_io=po.direct_io, **tier_kw)
             undo.callback(close_quietly, self.param_tier)
@@ -108,7 +109,7 @@ class Engine:
         self.user_state: dict[str, Any] = {}
         self._closed = False
         if inert := config.inert_settings():
-            warnings.warn("zinf_jax: these settings are accepted for DeepSpeed compatibility but have no effect yet: "
+            warnings.warn("zinf_jax: these settings are accepted for DeepSpeed compatibility but have no effect: "
                           + ", ".join(inert), UserWarning, stacklevel=3)
 
     # --- placement ----------------------------------------------------------------

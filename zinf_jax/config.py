@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping
 __all__ = ["ConfigError", "Offload", "AioConfig", "LossScaleConfig", "OptimizerConfig", "ZeroConfig", "INERT"]
 
 DEVICES = ("none", "cpu", "nvme")
+ALIGN_BYTES = 4096  # smallest chunk file: one direct-I/O block
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 OPTIMIZERS = ("adam", "adamw")
 
@@ -112,18 +113,10 @@ class Offload:
     _: dataclasses.KW_ONLY
     path: str | None = _field(None, _as_other, *_PATH, optional=True, ds="nvme_path")
     """Directory of the NVMe tier (DeepSpeed ``nvme_path``); required when ``device="nvme"``, unused otherwise."""
-    pin_memory: bool = _field(True, _as_other, *_BOOL, ds="pin_memory")
-    """Stage host copies in page-locked (``pinned_host``) memory so device transfers can be asynchronous DMA."""
     buffer_count: int = _field(5, _as_int, 1, ds="buffer_count")
-    """Number of staging buffers in the pool between this tier and the device (bounds memory in flight)."""
-    buffer_size: int = _field(100_000_000, _as_int, 1, ds="buffer_size")
-    """Elements per staging buffer."""
-    max_in_cpu: int = _field(1_000_000_000, _as_int, 0, ds="max_in_cpu")
-    """With ``device="nvme"``: elements also kept cached in host RAM."""
-    pipeline_read: bool = _field(False, _as_other, *_BOOL, ds="pipeline_read")
-    """Streamed optimizer step: read sub-group ``j+1`` while sub-group ``j`` is updated."""
-    pipeline_write: bool = _field(False, _as_other, *_BOOL, ds="pipeline_write")
-    """Streamed optimizer step: write sub-group ``j-1`` while sub-group ``j`` is updated."""
+    """Optimizer tier: sub-group buffer sets the streamed step reads into ahead and writes back from (bounds
+    its host RAM: ``buffer_count`` x sub-group x 4 B x (master, states, gradient)). Param tier: no effect
+    (reported)."""
     direct_io: bool = _field(False, _as_other, *_BOOL)
     """Bypass the page cache for NVMe reads and writes (measures and uses the disk, not RAM)."""
 
@@ -138,16 +131,14 @@ class Offload:
 class AioConfig:
     """Asynchronous I/O settings of the NVMe tier (DeepSpeed's ``aio`` section)."""
 
-    block_size: int = _field(1_048_576, _as_int, 1, ds="block_size")
-    """Bytes per I/O request."""
-    queue_depth: int = _field(8, _as_int, 1, ds="queue_depth")
-    """I/O requests kept in flight at once."""
-    intra_op_parallelism: int = _field(1, _as_int, 1, ds=("intra_op_parallelism", "thread_count"))
-    """Threads serving one read or write (DeepSpeed's old name: ``thread_count``)."""
-    single_submit: bool = _field(False, _as_other, *_BOOL, ds="single_submit")
-    """Submit requests one by one instead of as one batch."""
-    overlap_events: bool = _field(True, _as_other, *_BOOL, ds="overlap_events")
-    """Submit new requests without waiting for earlier ones to complete."""
+    block_size: int | None = _field(None, _as_int, ALIGN_BYTES, optional=True, ds="block_size")
+    """Bytes per chunk file of the NVMe tier: a shard larger than this is cut into chunk files written,
+    synced and read as one request each, concurrently; ``None``: 16 MiB (DeepSpeed's default, 1 MiB, makes
+    16x more files and measured slower here)."""
+    intra_op_parallelism: int | None = _field(None, _as_int, 1, optional=True,
+                                              ds=("intra_op_parallelism", "thread_count"))
+    """Threads reading and (as many) writing chunk files of the NVMe tier at once (DeepSpeed's old name:
+    ``thread_count``); ``None``: 4."""
 
     __post_init__ = _validate
 
@@ -198,15 +189,10 @@ class OptimizerConfig:
     __post_init__ = _validate
 
 
-INERT = (
-    "offload_param.pin_memory", "offload_param.buffer_count", "offload_param.buffer_size", "offload_param.max_in_cpu",
-    "offload_param.pipeline_read", "offload_param.pipeline_write", "offload_optimizer.pin_memory",
-    "offload_optimizer.buffer_size", "offload_optimizer.max_in_cpu", "offload_optimizer.pipeline_read",
-    "offload_optimizer.pipeline_write", "aio.block_size", "aio.queue_depth", "aio.intra_op_parallelism",
-    "aio.single_submit", "aio.overlap_events", "prefetch_bucket_size", "max_reuse_distance",
-)
-"""Settings accepted (and validated) for DeepSpeed compatibility that nothing reads yet: a value other
-than the default is reported by :meth:`ZeroConfig.inert_settings` and warned at ``initialize``."""
+INERT = ("offload_param.buffer_count",)
+"""Settings accepted (and validated) that have no effect: a value other than the default is reported by
+:meth:`ZeroConfig.inert_settings` and warned at ``initialize``. (DeepSpeed keys with no counterpart at all,
+e.g. ``pin_memory``, ``max_in_cpu``, ``aio.queue_depth``, are listed as unused by ``from_deepspeed``.)"""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -220,12 +206,8 @@ class ZeroConfig:
     params; the update still streams through host buffers on the CPU)."""
     prefetch_depth: int = _field(2, _as_int, 0)
     """Units fetched ahead of the one computing (``0``: no prefetch)."""
-    prefetch_bucket_size: int = _field(50_000_000, _as_int, 0, ds="stage3_prefetch_bucket_size")
-    """Elements fetched ahead at most (DeepSpeed ``stage3_prefetch_bucket_size``)."""
     max_live_bytes: int | None = _field(None, _as_int, 1, optional=True)
     """Device bytes of gathered parameters alive at once; ``None``: unbounded."""
-    max_reuse_distance: int = _field(1_000_000_000, _as_int, 0, ds="stage3_max_reuse_distance")
-    """Keep a gathered parameter if it is used again within this many elements."""
     persistence_threshold: int = _field(100_000, _as_int, 0, ds="stage3_param_persistence_threshold")
     """Parameters with at most this many elements stay gathered on device."""
     compute_dtype: str | None = _field(None, _as_other, *_choices(COMPUTE_DTYPES), optional=True)

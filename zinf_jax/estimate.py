@@ -9,11 +9,15 @@ The ``*_bytes`` fields count the state *held by zinf* at its peak, not the RSS:
   the current and ``prefetch_depth`` next units, unit-boundary activation checkpoints
   (one per unit call, unless ``offload_activations``), unit state, persistent params;
   with params on ``none`` the param tier.
-* host: the cpu param tier, fp32 master/m/v (12 B/param), the grad sink (4 B/param),
-  ``buffer_count`` sub-group buffer sets (12 B/element), offloaded checkpoints. A
-  memory tier holds one copy of its state (updated in place).
-* nvme: both slots of every key (2 x dtype bytes/param, 2 x 12 B/param) and metadata
-  (zarr skips all-zero chunks: a run may use less).
+* host: the cpu param tier, fp32 master/m/v (12 B/param), the grad sink (4 B/param; with
+  the optimizer on nvme gradients leave host RAM as they are produced: only one unit's
+  gradient shards are in flight), ``buffer_count`` sub-group buffer sets (12 B/element,
+  16 with the gradient read from nvme), offloaded checkpoints. A memory tier holds one
+  copy of its state (updated in place).
+* nvme: every key once (``nvme_update="in_place"``, the default) or twice
+  (``"double_slot"``): params in the compute dtype (none for trained params with fp32
+  compute and both tiers on nvme: the master is their copy), master/m/v 12 B/param,
+  float32 gradients 4 B/param (once), and metadata.
 
 Overheads (runtime, I/O copies, XLA working set) count in :meth:`MemoryEstimate.fits`.
 """
@@ -139,6 +143,7 @@ class _Digest:
     store: int  # param shards of this process in the tier (one copy)
     store_sharded: int  # the part of ``store`` split over devices
     store_disk: int  # chunk files of one param slot
+    store_disk_trained: int  # the part of ``store_disk`` that trained params take (fp32: the master replaces it)
     grad: int  # grad sink
     opt: int  # master + m + v
     opt_disk: int  # chunk files of one optimizer slot
@@ -149,7 +154,7 @@ class _Digest:
     workspace: int  # XLA working set per device (transient guess)
 
 
-def _simulate(d: _Digest, depth: int, max_live: int | None, offload: bool) -> tuple[dict, dict]:
+def _simulate(d: _Digest, depth: int, max_live: int | None, offload: bool, grads_out: bool) -> tuple[dict, dict]:
     """Replays the prefetcher over the forward+backward schedule; the device and host peaks (local sums)."""
     sched = [u for u, _ in d.calls] + [u for u, _ in reversed(d.calls)]
     n, prefix = len(d.calls), np.cumsum([0] + [b for _, b in d.calls]).tolist()
@@ -166,7 +171,8 @@ def _simulate(d: _Digest, depth: int, max_live: int | None, offload: bool) -> tu
         saved = prefix[p] if p < n else prefix[2 * n - 1 - p]  # a backward call pops its checkpoint first
         dev = {"gathered_unit": d.unit_gathered[uid], "prefetched_shards": held(),
                "activations": 0 if offload else saved}
-        host = {"activations": saved if offload else 0, "grad_sink": sum(d.unit_grad[u] for u in grads_done)}
+        host = {"activations": saved if offload else 0,
+                "grad_sink": d.unit_grad[uid] if grads_out and p >= n else sum(d.unit_grad[u] for u in grads_done)}
         dev_best = max(dev_best, dev, key=lambda x: sum(x.values()))
         host_best = max(host_best, host, key=lambda x: sum(x.values()))
         grads_done |= {uid} if p >= n else set()
@@ -176,7 +182,10 @@ def _simulate(d: _Digest, depth: int, max_live: int | None, offload: bool) -> tu
 def _estimate(d: _Digest, config: ZeroConfig, pt: str, ot: str, platform: str) -> MemoryEstimate:
     if pt not in ("none", "cpu", "nvme") or ot not in ("none", "cpu", "nvme"):
         raise ValueError(f"configuration ({pt!r}, {ot!r}): param tier none|cpu|nvme, optimizer tier none|cpu|nvme")
-    stream, host_fb = _simulate(d, config.prefetch_depth, config.max_live_bytes, config.offload_activations)
+    grads_out = ot == "nvme"  # gradients go to a scratch nvme tier as they are produced
+    slots = 2 if config.nvme_update == "double_slot" else 1
+    shared = d.compute_dtype == "float32" and pt == ot == "nvme"  # trained params read from the master
+    stream, host_fb = _simulate(d, config.prefetch_depth, config.max_live_bytes, config.offload_activations, grads_out)
     on_dev, cpu_p, cpu_o = d.store if pt == "none" else 0, d.store if pt == "cpu" else 0, d.opt if ot == "cpu" else 0
     fixed = {"unit_state": d.rests, "persistent_params": d.glue, "optimizer_state": d.opt if ot == "none" else 0}
     dev = {**stream, **fixed, "param_tier": on_dev}  # the stream's peak; the optimizer step adds nothing on device
@@ -186,12 +195,15 @@ def _estimate(d: _Digest, config: ZeroConfig, pt: str, ot: str, platform: str) -
         spread = sum(v for k, v in items.items() if not k.startswith("param_tier"))
         return -(-spread // d.n_local) + tiers * (-(-d.store_sharded // d.n_idx) + d.store - d.store_sharded)
 
-    buffers = min(config.offload_optimizer.buffer_count, d.groups) * 12 * d.max_chunk + d.assembly
+    buffers = min(config.offload_optimizer.buffer_count, d.groups) * (12 + 4 * grads_out) * d.max_chunk + d.assembly
     host = max([{**host_fb, "param_tier": cpu_p, "optimizer_state": cpu_o},
-                {"grad_sink": d.grad, "optimizer_buffers": buffers, "param_tier": cpu_p, "optimizer_state": cpu_o}],
+                {"grad_sink": 0 if grads_out else d.grad, "optimizer_buffers": buffers, "param_tier": cpu_p,
+                 "optimizer_state": cpu_o}],
                key=lambda x: sum(x.values()))
-    nvme = {"param_tier": 2 * d.store_disk + d.param_meta if pt == "nvme" else 0,  # optimizer: 3 keys a param
-            "optimizer_state": 2 * d.opt_disk + 3 * d.param_meta if ot == "nvme" else 0}
+    param_disk = d.store_disk - (d.store_disk_trained if shared else 0)
+    nvme = {"param_tier": slots * param_disk + d.param_meta if pt == "nvme" else 0,  # optimizer: 3 keys a param
+            "optimizer_state": slots * d.opt_disk + 3 * d.param_meta if ot == "nvme" else 0,
+            "gradients": d.opt_disk // 3 + d.param_meta if grads_out else 0}
     breakdown = {f"{t}.{k}": int(v) for t, items in (("device", dev), ("host", host), ("nvme", nvme))
                  for k, v in items.items() if v}
     # transient host copies: nvme param reads before their device copy, tensorstore's copies of optimizer writes
@@ -251,6 +263,7 @@ def estimate_from_sizes(
         unit_held=tuple(u * c // P for u in units), unit_gathered=tuple(u * c * n_local for u in units),
         unit_grad=tuple(u * 4 // P for u in units), calls=tuple(calls), rests=0, glue=glue_el * c * n_local,
         store=params * c // P, store_sharded=(params - glue_el) * c // P, store_disk=params * c // P,
+        store_disk_trained=params * c // P,
         grad=params * 4 // P, opt=12 * params // P, opt_disk=12 * params // P,
         groups=max(1, (params // P) // max(chunk, 1)), max_chunk=chunk, assembly=4 * shard if shard > chunk else 0,
         param_meta=(12 * layers + 3 + untied) * _KEY_METADATA_BYTES, workspace=int(workspace))
@@ -355,6 +368,7 @@ def estimate_from_model(
         store=sum(item[p] * local[p] for p in layouts),
         store_sharded=sum(item[p] * local[p] for p, lay in layouts.items() if lay.dim is not None),
         store_disk=sum(_padded(layouts[p].shard_shape, item[p]) * shards[p] for p in layouts),
+        store_disk_trained=sum(_padded(layouts[p].shard_shape, item[p]) * shards[p] for p in trained),
         grad=sum(4 * local[p] for p in trained), opt=sum(12 * n_chunks[p] * chunk[p] * shards[p] for p in trained),
         opt_disk=sum(3 * n_chunks[p] * shards[p] * _padded((chunk[p],), 4) for p in trained),
         groups=sum(n_chunks[p] * shards[p] for p in trained), max_chunk=max((chunk[p] for p in trained), default=1),

@@ -23,6 +23,8 @@ def open_tier(
     max_in_flight_bytes: int = 1 << 30,
     direct_io: bool = False,
     update: str = "double_slot",
+    chunk_bytes: int | None = None,
+    threads: int | None = None,
 ) -> Tier:
     """Opens the tier an offload setting names.
 
@@ -36,6 +38,8 @@ def open_tier(
       max_in_flight_bytes: back-pressure bound.
       direct_io: bypass the page cache (nvme).
       update: ``"double_slot"``, ``"in_place"`` or ``"scratch"`` (nvme; see :class:`NvmeTier`).
+      chunk_bytes: nvme chunk file size (``None``: the tier's default).
+      threads: nvme threads reading and writing chunk files (``None``: the tier's default).
 
     Raises:
       ValueError: unknown device or missing path.
@@ -56,5 +60,7 @@ def open_tier(
             check_dir(Path(root))
             root = os.path.join(root, subdir)
             os.makedirs(root, exist_ok=True)
-        return NvmeTier(root, max_in_flight_bytes=max_in_flight_bytes, direct_io=direct_io, update=update)
+        io = {k: v for k, v in (("chunk_bytes", chunk_bytes), ("read_threads", threads), ("write_threads", threads))
+              if v is not None}
+        return NvmeTier(root, max_in_flight_bytes=max_in_flight_bytes, direct_io=direct_io, update=update, **io)
     raise ValueError(f"offload device must be 'none', 'cpu' or 'nvme', got {device!r}")
