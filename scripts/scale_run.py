@@ -116,6 +116,25 @@ def _steps(engine, data, cfg, args, raw: dict) -> list[dict]:
     return out
 
 
+def create_bound(eng, init_bytes: int, raw: dict) -> dict:
+    """Seconds to create one block's parameters (compile + random init, no writes), twice: the bound init cannot
+    beat on this machine, as bytes written per second over raw write bandwidth."""
+    import jax
+
+    unit = max(eng.adapter.units, key=lambda u: sum(eng.layouts[p].size for p in u.param_paths))
+    paths = list(unit.param_paths)
+    shard = [eng.store.sharding(p) for p in paths]
+    times = []
+    for _ in range(2):
+        t = time.perf_counter()
+        jax.block_until_ready(eng.adapter.init_params(paths, lambda p, v: v, shard))
+        times.append(time.perf_counter() - t)
+    share = sum(eng.layouts[p].size for p in paths) / sum(lay.size for lay in eng.layouts.values())
+    best = init_bytes * share / min(times) / GB
+    return {"seconds": min(times), "unit_bytes_written": init_bytes * share, "best_GBps": best,
+            "best_ratio_to_raw_write": best / raw["write_GBps"]}
+
+
 def cpu_reference(args, n_layers: int) -> float:
     """Median step time (after the first) with both tiers on cpu at ``n_layers``."""
     import numpy as np
@@ -134,6 +153,42 @@ def cpu_reference(args, n_layers: int) -> float:
     return float(np.median(times[1:]))
 
 
+def estimate_vs_measured(result: dict) -> dict:
+    """The estimator's host RSS (on a CPU mesh device memory is host RAM too) and disk, and their ratios to the
+    measured peak RSS (absolute: the estimate includes the runtime) and bytes on disk."""
+    import zinf_jax as zinf
+    from zinf_jax.estimate import estimate_from_sizes
+
+    a = result["args"]
+    path = {"path": "/nonexistent"}
+    config = zinf.ZeroConfig(offload_param=zinf.Offload("nvme", **path), offload_optimizer=zinf.Offload("nvme", **path),
+                             compute_dtype=a["compute_dtype"], nvme_update=a["nvme_update"])
+    e = estimate_from_sizes(None, a["layers"], a["d_model"], 256, a["seq"], a["batch"], n_devices=a["devices"],
+                            heads=a["heads"], config=config, platform="cpu", configurations=[("nvme", "nvme")])[0]
+    rss = e.host_bytes + e.host_overhead_bytes + e.device_bytes_local + e.device_overhead_bytes * e.n_devices
+    measured = result["rss_base"] + result["rss_growth"]
+    return {"host_rss_bytes": rss, "nvme_bytes": e.nvme_bytes, "params": e.params, "rss_ratio": rss / measured,
+            "nvme_ratio": e.nvme_bytes / result["disk"]["bytes"], "breakdown": dict(e.breakdown)}
+
+
+def overlap(args, result: dict) -> dict:
+    """``step / max(compute, io)``: compute = the same step with both tiers on cpu, measured at 1 and
+    ``--cpu-ref-layers`` layers and extrapolated linearly in depth (the blocks are identical)."""
+    import numpy as np
+
+    t1, tl = cpu_reference(args, 1), cpu_reference(args, args.cpu_ref_layers)
+    per_layer = (tl - t1) / max(args.cpu_ref_layers - 1, 1)
+    layers = result["args"]["layers"]
+    compute = t1 + per_layer * (layers - 1)
+    steady = result["steps"][1:] or result["steps"]
+    step = float(np.median([s["step_time_s"] for s in steady]))
+    io = float(np.median([s["io_bound_s"] for s in steady]))
+    out = {"cpu_step_1_layer_s": t1, f"cpu_step_{args.cpu_ref_layers}_layers_s": tl, "compute_s": compute,
+           "io_bound_s": io, "step_s": step, "ratio": step / max(compute, io)}
+    print(f"overlap: step {step:.1f} s vs compute {compute:.1f} s, io {io:.1f} s: {out['ratio']:.2f}x", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, required=True)
@@ -147,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nvme-update", default="in_place", choices=("in_place", "double_slot"))
     ap.add_argument("--cpu-ref-layers", type=int, default=0,
                     help="also time the step with both tiers on cpu at this depth and at 1 layer (0: skip)")
+    ap.add_argument("--cpu-ref-of", default=None,
+                    help="only add the cpu-tier compute reference (--cpu-ref-layers) to this result JSON")
     ap.add_argument("--dir", default="/var/tmp/zinf_scale")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -159,6 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     import zinf_jax as zinf
     from zinf_jax.models import GPT, GPTConfig, corpus, lm_loss
 
+    if args.cpu_ref_of:
+        result = json.loads(Path(args.cpu_ref_of).read_text())
+        result["overlap"] = overlap(args, result)
+        Path(args.cpu_ref_of).write_text(json.dumps(result, indent=1, default=float))
+        return 0
     root = Path(args.dir)
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
@@ -189,33 +251,17 @@ def main(argv: list[str] | None = None) -> int:
                           "rss_growth": init_peak}
         print(f"{n / 1e9:.2f}B params; init {init_s:.1f} s, {init_bytes / GB:.1f} GB "
               f"({result['init']['ratio_to_raw_write']:.2f}x raw write), RSS +{init_peak / GiB:.2f} GiB", flush=True)
+        result["init"]["create_unit"] = create_bound(eng, init_bytes, raw)
         result["steps"] = _steps(eng, corpus(), cfg, args, raw)
         result["rss_growth"] = sampler.read() - base
         eng.close()
         disk = _du(root)
         result["disk"] = {"bytes": disk, "bytes_per_param": disk / n,
                           "per_tier": {s: _du(root / s) for s in ("params", "optimizer", "grads") if (root / s).exists()}}
-        from zinf_jax.estimate import estimate_from_sizes
-
-        est = estimate_from_sizes(None, args.layers, args.d_model, cfg.vocab, args.seq, args.batch,
-                                       n_devices=args.devices, heads=args.heads, config=config,
-                                       configurations=[("nvme", "nvme")])[0]
-        result["estimate"] = {"host_rss_bytes": est.host_bytes + est.host_overhead_bytes + est.device_bytes_local,
-                              "nvme_bytes": est.nvme_bytes, "params": est.params}
-        result["estimate"]["rss_ratio"] = result["estimate"]["host_rss_bytes"] / (result["rss_growth"] + base)
-        result["estimate"]["nvme_ratio"] = est.nvme_bytes / disk
+        result["rss_base"] = base
+        result["estimate"] = estimate_vs_measured(result)
         if args.cpu_ref_layers:
-            t1, tl = cpu_reference(args, 1), cpu_reference(args, args.cpu_ref_layers)
-            per_layer = (tl - t1) / max(args.cpu_ref_layers - 1, 1)
-            compute = t1 + per_layer * (args.layers - 1)
-            steady = [s for s in result["steps"][1:]] or result["steps"]
-            step = float(np.median([s["step_time_s"] for s in steady]))
-            io = float(np.median([s["io_bound_s"] for s in steady]))
-            result["overlap"] = {"cpu_step_1_layer_s": t1, f"cpu_step_{args.cpu_ref_layers}_layers_s": tl,
-                                 "compute_s": compute, "io_bound_s": io, "step_s": step,
-                                 "ratio": step / max(compute, io)}
-            print(f"overlap: step {step:.1f} s vs compute {compute:.1f} s, io {io:.1f} s: "
-                  f"{result['overlap']['ratio']:.2f}x", flush=True)
+            result["overlap"] = overlap(args, result)
         print(f"RSS growth {result['rss_growth'] / GiB:.2f} GiB; disk {disk / GB:.1f} GB = "
               f"{disk / n:.1f} B/param; estimate rss x{result['estimate']['rss_ratio']:.2f}, "
               f"nvme x{result['estimate']['nvme_ratio']:.2f}", flush=True)

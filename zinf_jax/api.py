@@ -1,9 +1,12 @@
 """The public training API: :func:`initialize` and :class:`Engine`.
 
-``initialize`` plans the partition, opens the param and optimizer tiers,
-creates the parameters unit by unit (or reopens stored ones), and returns an
-:class:`Engine` whose ``train_step`` runs the streamed forward/backward and the
-streamed CPU Adam step, then publishes the new step atomically.
+``initialize`` plans the partition, opens the param and optimizer tiers (and,
+with the optimizer on nvme, a scratch tier the gradients go to as they are
+produced), creates the parameters unit by unit (:func:`restore` fills them from
+a checkpoint instead), and returns an :class:`Engine` whose ``train_step`` runs
+the streamed forward/backward and the streamed CPU optimizer step, then commits
+the tiers (atomically, or in place with a half-updated mark; see
+:mod:`zinf_jax.tiers.nvme`).
 """
 from __future__ import annotations
 

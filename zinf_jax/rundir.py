@@ -16,6 +16,7 @@ uses the standard library:
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import re
 import shutil
@@ -100,6 +101,17 @@ def _tier_dirs(nvme_paths: Iterable[str]) -> list[Path]:
     return out
 
 
+def _half_updated(tier_dir: Path) -> bool:
+    """Whether an in-place nvme tier under ``tier_dir`` was stopped in the middle of a step (its manifest says so)."""
+    for man in tier_dir.glob("process_*/MANIFEST.json"):
+        try:
+            if json.loads(man.read_text()).get("in_progress"):
+                return True
+        except (OSError, ValueError):
+            return True  # unreadable: not usable either (the tier names the problem when opened)
+    return False
+
+
 def _check_unlocked(tier_dir: Path) -> None:
     """Refuses to touch a tier directory whose lock another process holds."""
     for lock in tier_dir.glob("process_*/LOCK"):
@@ -155,8 +167,11 @@ def check_reuse(run_dir: Path, nvme_paths: list[str], *, resume: bool, overwrite
         return []
     if not overwrite:
         shown = ", ".join(old[:3]) + (f" and {len(old) - 3} more" if len(old) > 3 else "")
-        raise RunDirError(f"run dir {str(run_dir)!r} already holds a run ({shown}): pass --resume to continue it, "
-                          "or --overwrite to delete its checkpoints and tier state and start over")
+        half = [str(d) for d in _tier_dirs(nvme_paths) if _half_updated(d)]
+        why = (f"; its tier state {', '.join(half)} is half-updated (a step was in progress when the run stopped) "
+               "and cannot be trained on: --resume rebuilds it from the newest checkpoint") if half else ""
+        raise RunDirError(f"run dir {str(run_dir)!r} already holds a run ({shown}){why}: pass --resume to continue "
+                          "it, or --overwrite to delete its checkpoints and tier state and start over")
     deleted = [str(d) for d in clear_tier_state(nvme_paths)]
     if ckpt.exists():
         shutil.rmtree(ckpt)

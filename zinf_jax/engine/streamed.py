@@ -36,6 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zinf_jax.engine.adapters import EngineError
 from zinf_jax.engine.grads import GradSink
+from zinf_jax.engine.hostmem import release_free_memory
 from zinf_jax.engine.prefetch import Prefetcher
 from zinf_jax.engine.programs import Penalty, UnitPrograms, join_inputs, split_diff, split_inputs
 from zinf_jax.engine.store import ParamStore
@@ -328,6 +329,7 @@ class StreamedModel:
             p.saved.append((uid, method, self._park(dyn), penalty))
         del stored
         self.prefetcher.release()
+        release_free_memory()
         return out
 
     def _backward(self, p: _Pass, uid: int, method: str, sig: tuple, g: Any) -> Any:
@@ -349,6 +351,8 @@ class StreamedModel:
         for path, gpath in zip(self.units[uid].param_paths, gp):
             if gpath is not None:
                 self.sink.add(path, gpath)
+        del gp
+        release_free_memory()  # the unit's gathered params, grads and temporaries (see engine.hostmem)
         out = [np.zeros(np.shape(x), jax.dtypes.float0) for x in dyn]
         for i, d in zip(split_diff(dyn), gd):
             out[i] = d
