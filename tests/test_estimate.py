@@ -14,6 +14,7 @@ two train steps (so both NVMe slots of every key are written), and measures:
 
 The process RSS growth is recorded (``record_property``), not asserted.
 """
+import dataclasses
 import os
 import subprocess
 import sys
@@ -204,13 +205,15 @@ def test_fits_and_report():
         ests[0].fits(Machine(80 << 30, 1 << 40, 1 << 40, 4))
     with pytest.raises(ValueError, match="configuration"):
         estimate_from_sizes(None, 2, 64, 100, 8, 8, n_devices=8, configurations=[("gpu", "cpu")])
-    two = estimate_from_sizes(None, 2, 64, 100, 8, 8, n_devices=8, config=zinf.ZeroConfig(nvme_update="double_slot"))
+    two = estimate(None, params=None, layers=4, hidden=256, vocab=1000, seq=128, batch=8, n_devices=8,
+                   config=dataclasses.replace(zconfig(), nvme_update="double_slot"), platform="gpu")
     for e, d in zip(ests, two):  # nvme in place: one copy; double slot: two; memory tiers one copy (12 B/param)
         if e.optimizer_tier == "nvme":
             assert 12 * e.params <= e.breakdown["nvme.optimizer_state"] < 12.1 * e.params
             assert 24 * e.params <= d.breakdown["nvme.optimizer_state"] < 24.1 * e.params
             assert 4 * e.params <= e.breakdown["nvme.gradients"] == d.breakdown["nvme.gradients"] < 4.1 * e.params
-            assert "host.grad_sink" not in e.breakdown  # gradients leave host RAM as they are produced
+            # gradients leave host RAM as they are produced: one unit's at most (4 blocks + embedding here)
+            assert e.breakdown.get("host.grad_sink", 0) <= 4 * e.params / 4
         else:
             assert 12 * e.params <= e.breakdown["host.optimizer_state"] < 12.01 * e.params
 

@@ -44,7 +44,8 @@ def _state(step_dir: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_sigkill_then_resume_reproduces_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("update", ["in_place", "double_slot"])
+def test_sigkill_then_resume_reproduces_uninterrupted_run(tmp_path, update):
     ref = tmp_path / "ref"
     subprocess.run(_cmd(ref), check=True, env=_env(), capture_output=True)
     ref_losses = _losses(ref)
@@ -52,13 +53,14 @@ def test_sigkill_then_resume_reproduces_uninterrupted_run(tmp_path):
     rng = random.Random(0)
     for trial in range(3):
         run = tmp_path / f"killed{trial}"
-        p = subprocess.Popen(_cmd(run), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        p = subprocess.Popen(_cmd(run, "--nvme-update", update), env=_env(), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
         while not any((run / "ckpt").glob("step_*/zinf_meta.json")) and p.poll() is None:
             time.sleep(0.2)
         time.sleep(rng.uniform(0.0, 6.0))  # somewhere in the following steps or a save
         p.send_signal(signal.SIGKILL)
         p.wait()
-        subprocess.run(_cmd(run, "--resume"), check=True, env=_env(), capture_output=True)
+        subprocess.run(_cmd(run, "--resume", "--nvme-update", update), check=True, env=_env(), capture_output=True)
         losses = _losses(run)
         assert losses == ref_losses, trial
         state = _state(run / "ckpt" / f"step_{STEPS:08d}")

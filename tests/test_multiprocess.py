@@ -38,7 +38,8 @@ def test_two_processes_match_single_process(tmp_path):
     # each process keeps its own directory (its host's NVMe) for params and optimizer state
     assert outs[0]["manifests"] == ["optimizer/process_0/MANIFEST.json", "optimizer/process_1/MANIFEST.json",
                                     "params/process_0/MANIFEST.json", "params/process_1/MANIFEST.json"]
-    man = json.loads((tmp_path / "nvme" / "params" / "process_1" / "MANIFEST.json").read_text())
+    # (fp32 on nvme: the trained params' one copy is the optimizer's master)
+    man = json.loads((tmp_path / "nvme" / "optimizer" / "process_1" / "MANIFEST.json").read_text())
     sharded = [v["local"] for v in man["keys"].values() if v["spec"]["num_shards"] == 8]
     assert sharded and all(loc == [4, 5, 6, 7] for loc in sharded)  # only its addressable shards
     assert outs[0]["losses"] == outs[1]["losses"]

@@ -70,6 +70,8 @@ class TrainArgs:
       run_dir: where the metrics log, checkpoints and (default) nvme tiers go.
       nvme_dir: directory of the nvme tiers (default ``<run_dir>/nvme``).
       param_device, optimizer_device: ``none`` / ``cpu`` / ``nvme`` tiers.
+      nvme_update: ``in_place`` (one copy on disk; a step killed half-way is rebuilt from the
+        checkpoint by ``resume``) or ``double_slot`` (every step durable, twice the disk).
       save_every: checkpoint period in steps (0: only at the end and on a signal).
       keep: keep the newest N checkpoints, deleting older ones after each save; 0 keeps all.
       resume: continue from the newest good checkpoint in ``<run_dir>/ckpt``.
@@ -97,6 +99,7 @@ class TrainArgs:
     nvme_dir: str | None = None
     param_device: str = "nvme"
     optimizer_device: str = "nvme"
+    nvme_update: str = "in_place"
     save_every: int = 50
     keep: int = 0
     resume: bool = False
@@ -123,7 +126,8 @@ def build_config(args: TrainArgs) -> ZeroConfig:
     nvme = args.nvme_dir or os.path.join(args.run_dir, "nvme")
     off = lambda d: Offload(d, path=nvme if d == "nvme" else None)  # noqa: E731
     return ZeroConfig(offload_param=off(args.param_device), offload_optimizer=off(args.optimizer_device),
-                      gradient_clipping=args.clip, seed=args.seed, persistence_threshold=args.persistence_threshold)
+                      gradient_clipping=args.clip, seed=args.seed, persistence_threshold=args.persistence_threshold,
+                      nvme_update=args.nvme_update)
 
 
 def _nvme_paths(args: TrainArgs, config: ZeroConfig) -> list[str]:

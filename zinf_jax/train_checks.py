@@ -78,6 +78,8 @@ def check_args(args: Any) -> None:
     for field in ("param_device", "optimizer_device"):
         if getattr(args, field) not in TIERS:
             raise _bad(field, getattr(args, field), "one of " + ", ".join(TIERS))
+    if args.nvme_update not in ("in_place", "double_slot"):
+        raise _bad("nvme_update", args.nvme_update, "in_place or double_slot")
     if not str(args.run_dir):
         raise _bad("run_dir", repr(args.run_dir), "a directory")
     if args.resume and args.overwrite:
