@@ -48,6 +48,9 @@ ParamLoss = Callable[[str, jax.Array], Any]
 """``param_loss(path, value) -> scalar``: a loss term of one parameter (e.g. L2 on kernels), 0 for none."""
 
 
+TRIM_BYTES = 64 << 20
+"""Gathered bytes of a unit from which freed host memory is returned to the system after each call."""
+
 JIT_MESSAGE = (
     "zinf_jax: the streamed engine fetches parameters between unit calls and cannot run under "
     "jax.jit, vmap, grad or scan. Call engine.train_step / engine.eval_step eagerly (the units "
@@ -329,7 +332,7 @@ class StreamedModel:
             p.saved.append((uid, method, self._park(dyn), penalty))
         del stored
         self.prefetcher.release()
-        release_free_memory()
+        self._release_host(uid)
         return out
 
     def _backward(self, p: _Pass, uid: int, method: str, sig: tuple, g: Any) -> Any:
@@ -352,11 +355,16 @@ class StreamedModel:
             if gpath is not None:
                 self.sink.add(path, gpath)
         del gp
-        release_free_memory()  # the unit's gathered params, grads and temporaries (see engine.hostmem)
+        self._release_host(uid)
         out = [np.zeros(np.shape(x), jax.dtypes.float0) for x in dyn]
         for i, d in zip(split_diff(dyn), gd):
             out[i] = d
         return out
+
+    def _release_host(self, uid: int) -> None:
+        """Returns the pages a large unit's call freed to the system (see :mod:`zinf_jax.engine.hostmem`)."""
+        if self._gathered[uid] >= TRIM_BYTES:  # below, the ~15 ms a call costs buys nothing measurable
+            release_free_memory()
 
     # --- activation checkpoints and accounting -------------------------------
     def _park(self, args: Any) -> Any:

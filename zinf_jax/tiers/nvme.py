@@ -19,8 +19,8 @@ Updates come in three modes (``update=``):
   in between leaves a *half-updated* directory, which the next opener refuses
   (:func:`~zinf_jax.tiers.nvme_layout.half_updated`) rather than train on mixed
   state; it is rebuilt from a checkpoint.
-* ``"scratch"``: in place, nothing published, emptied when opened (the
-  gradients of the current step: never needed by another process).
+* ``"scratch"``: in place, never synced, nothing published, emptied when
+  opened (the gradients of the current step: never needed by another process).
 
 Integrity (:mod:`zinf_jax.tiers.checksum`): every chunk file's digest is
 computed on the write path, published by the commit in the same manifest that
@@ -111,6 +111,8 @@ class NvmeTier:
             raise ValueError(f"nvme tier sync must be 'commit', 'write' (True) or False, got {sync!r}")
         if update not in UPDATE_MODES:
             raise ValueError(f"nvme tier update must be one of {UPDATE_MODES}, got {update!r}")
+        if update == "scratch":  # nothing in it must survive a crash: no fsync
+            sync = False
         root = Path(path)
         check_dir(root)
         if process_index is None:
