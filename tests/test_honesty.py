@@ -17,7 +17,8 @@ def cpu_config(**kw):
     return zinf.ZeroConfig(persistence_threshold=600, **kw)
 
 
-@pytest.mark.parametrize("kind", [pytest.param("zinf", marks=pytest.mark.slow), "optax"])
+@pytest.mark.parametrize("kind", [pytest.param("zinf", marks=pytest.mark.slow),
+                                  pytest.param("optax", marks=pytest.mark.slow)])  # default: test_workflows clip+adamw
 def test_gradient_clipping_applies_to_any_optimizer(kind):
     data = batches(3)
     # eps 1e-4: see OPTAX in test_workflows (an element whose gradient is pure cancellation)

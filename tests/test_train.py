@@ -57,7 +57,7 @@ def test_30_steps_match_jit_optax_on_nvme(tmp_path):
     eng.close()
 
 
-@pytest.mark.parametrize("tier", ["none", "nvme"])
+@pytest.mark.parametrize("tier", [pytest.param("none", marks=pytest.mark.slow), "nvme"])  # (suite time)
 def test_exact_resume_bitwise(tmp_path, tier):
     k, n = 3, 3
     eng = engine(tmp_path / "a", param=tier, opt="cpu" if tier == "none" else tier) if tier != "nvme" else None
