@@ -269,3 +269,24 @@ def test_failed_write_removes_its_files(tiny_disk, finish):
     assert again.generation == 1 and again.metadata() == {"step": 1}
     _read_ok(again, gen=1)
     again.close()
+
+
+def test_failed_in_place_write_leaves_a_refused_half_updated_tier(tiny_disk):
+    """In place there is no older copy to fall back on: after a failed write the tier refuses every use, and so
+    does the next opener, until it is rebuilt (the committed generation 1 is not readable any more)."""
+    tier = NvmeTier(tiny_disk, process_index=0, update="in_place")
+    _write(tier, gen=1)
+    tier.commit({"step": 1})
+    big = ShardSpec(shard_shape=(512, 512), dtype="float32", num_shards=8)  # 8 MiB more on a 4 MiB disk
+    tier.declare("big", big)
+    futs = []
+    with pytest.raises(TierError, match="disk full"):
+        for i in range(big.num_shards):
+            futs.append(tier.put("big", i, np.ones(big.shard_shape, np.float32)))
+        tier.commit({"step": 2})
+    for call in (lambda: tier.get("w", 0).result(), lambda: tier.commit({"step": 2})):
+        with pytest.raises(TierDataError, match="half-updated"):
+            call()
+    tier.close()  # the failed write was reported by the commit; the slot's files stay (they are the only ones)
+    with pytest.raises(TierDataError, match="half-updated.*--resume"):
+        NvmeTier(tiny_disk, process_index=0, update="in_place")

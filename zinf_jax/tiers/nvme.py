@@ -257,7 +257,9 @@ class NvmeTier:
             self._written.setdefault(key, set()).add(index)
             self.bytes_written += arr.nbytes
         try:  # (no handle yet: the first put of this generation, or one after a failed open)
-            h = self._array(key, slot, fresh=not self._arrays.has(key, slot))
+            # in place over committed data: open the array as it is (never recreate it)
+            committed = self.update != "double_slot" and key in self._slot
+            h = self._array(key, slot, fresh=not committed and not self._arrays.has(key, slot))
         except TierError as err:
             with self._lock:
                 self._failed.append(err)
