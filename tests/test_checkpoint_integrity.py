@@ -1,6 +1,5 @@
 """Checkpoint integrity: checksums verified at restore, damage named, no silent re-save, disk full in one line,
 and plain-orbax reading on any device count."""
-import contextlib
 import json
 import os
 import re
@@ -19,6 +18,7 @@ import zinf_jax as zinf
 import zinf_jax.checkpoint as ckpt_mod
 from zinf_jax.checkpoint import CheckpointError, read_meta
 from zinf_jax.models import GPT, GPTConfig, batch_at, corpus, lm_loss
+from tmpfs import mounted
 
 CFG = GPTConfig(vocab=256, d_model=32, n_heads=4, n_layers=2, seq=16)
 DATA = corpus()
@@ -185,25 +185,12 @@ def test_a_damaged_step_dir_is_set_aside_and_saved_anew(good, copy, damage):
         again.close()
 
 
-@contextlib.contextmanager
-def _tmpfs(path, opts):
-    path.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.decode().strip()}); needs root")
-    try:
-        yield path
-    finally:
-        if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(path)])
-
-
 def test_disk_full_is_one_error_and_leaves_nothing(tmp_path, capfd):
     eng = engine()
     try:
         step(eng)
         capfd.readouterr()
-        with _tmpfs(tmp_path / "full", "size=64k") as full:
+        with mounted(tmp_path / "full", "size=64k") as full:
             want = re.escape(repr(str(full / "ckpt" / "step_00000001")))
             with pytest.raises(CheckpointError, match=rf"disk full while saving {want}: .*No space left on device") \
                     as info:

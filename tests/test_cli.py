@@ -1,12 +1,11 @@
 """The main job and the command line: trains, saves, resumes; bad input gives one clear error."""
-import contextlib
 import json
 import os
-import subprocess
 
 import pytest
 
 from zinf_jax.cli import main
+from tmpfs import mounted
 
 TINY = ["--d-model", "32", "--n-layers", "2", "--seq", "32", "--batch", "8", "--no-progress"]
 
@@ -79,20 +78,9 @@ def test_resume_without_checkpoint(tmp_path, capsys):
     assert "no zinf_jax checkpoint" in capsys.readouterr().err
 
 
-@contextlib.contextmanager
 def _tmpfs(path, opts):
-    """A tmpfs at ``path`` for the block; it must unmount cleanly after (busy: the run left tier files open)."""
-    path.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.decode().strip()}); needs root")
-    try:
-        yield path
-    finally:
-        unmounted = subprocess.run(["umount", str(path)], capture_output=True).returncode == 0
-        if not unmounted:
-            subprocess.run(["umount", "-l", str(path)])
-    assert unmounted, f"{path} still in use: the failed run did not release its nvme tier"
+    """A tmpfs at ``path``; it must unmount cleanly after (busy: the run left tier files open)."""
+    return mounted(path, opts, must_release=True)
 
 
 def test_read_only_and_full_nvme_path(tmp_path, capsys):

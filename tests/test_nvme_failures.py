@@ -5,6 +5,7 @@ skip with the reason when mounting is not permitted.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -14,37 +15,16 @@ import numpy as np
 import pytest
 
 from zinf_jax.tiers import NvmeTier, ShardSpec, TierError, np_dtype
+from tmpfs import mounted
 
 # ---------------------------------------------------------------- helpers
-
-
-def _mount_tmpfs(mnt, *options: str) -> None:
-    """Mounts a tmpfs at ``mnt`` with ``options`` or skips the test with the reason."""
-    os.makedirs(mnt, exist_ok=True)
-    opts = ",".join(options)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount tmpfs ({opts}) at {mnt}: {(r.stderr or r.stdout).strip()} (needs root)")
-
-
-def _umount(mnt) -> None:
-    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 @pytest.fixture
 def tmpfs(tmp_path):
     """Mounts tmpfs file systems on request; unmounts every one at teardown."""
-    mounted = []
-
-    def mount(name: str, *options: str):
-        mnt = tmp_path / name
-        _mount_tmpfs(mnt, *options)
-        mounted.append(mnt)
-        return mnt
-
-    yield mount
-    for mnt in reversed(mounted):
-        _umount(mnt)
+    with contextlib.ExitStack() as stack:
+        yield lambda name, *options: stack.enter_context(mounted(tmp_path / name, ",".join(options)))
 
 
 def _data(step: int, key_id: int, index: int, spec: ShardSpec) -> np.ndarray:

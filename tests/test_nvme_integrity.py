@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +18,7 @@ import pytest
 
 from zinf_jax.inspect import inspect_dir
 from zinf_jax.tiers import NvmeTier, ShardSpec, TierDataError, TierError, read_manifest
+from tmpfs import mounted
 
 SPEC = ShardSpec(shard_shape=(64, 32), dtype="float32", num_shards=3)  # 8 KiB shards ...
 CHUNK_BYTES = 2048  # ... of 4 chunk files each: c/<shard>/<0..3>/0
@@ -215,13 +215,8 @@ def test_damaged_manifest_is_an_error_naming_the_file(tmp_path, capsys, content)
 @pytest.fixture
 def tiny_disk(tmp_path):
     """A 4 MiB tmpfs (root only: skips with the reason otherwise)."""
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs at {mnt}: {(r.stderr or r.stdout).strip()} (needs root)")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+    with mounted(tmp_path / "disk", "size=4m") as mnt:
+        yield mnt
 
 
 def _used(path: Path) -> int:
