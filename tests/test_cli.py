@@ -96,3 +96,19 @@ def test_read_only_and_full_nvme_path(tmp_path, capsys):
         assert "disk full" in capsys.readouterr().err
     after = sorted((p.relative_to(ckpt), p.stat().st_size) for p in ckpt.rglob("*") if p.is_file())
     assert before == after and os.path.exists(ckpt / "zinf_meta.json")
+
+
+def test_profile_writes_a_trace_with_the_engine_regions(tmp_path, capsys):
+    # the engine's named regions land in a TensorBoard/Perfetto trace of steps 2-4
+    assert _run(tmp_path, "--steps", "5", "--profile", str(tmp_path / "trace")) == 0
+    traces = list((tmp_path / "trace").rglob("*.xplane.pb"))
+    assert len(traces) == 1, traces
+    blob = traces[0].read_bytes()
+    for region in (b"zinf/fetch", b"zinf/unit_forward", b"zinf/unit_backward", b"zinf/grads_out", b"zinf/glue",
+                   b"zinf/optimizer_read", b"zinf/optimizer_update", b"zinf/optimizer_write", b"zinf/commit"):
+        assert region in blob, region
+    capsys.readouterr()
+    assert _run(tmp_path / "other", "--steps", "1", "--profile", str(tmp_path / "trace2")) == 0
+    assert not (tmp_path / "trace2").exists()  # the run ended before the traced steps: said, not silent
+    err = capsys.readouterr().err
+    assert "--profile" in err and "no trace written" in err

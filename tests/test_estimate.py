@@ -85,9 +85,9 @@ def measure(param: str, opt: str, path) -> tuple[dict, dict]:
             _watch_commit(tier, rec, name)
     step = engine.optimizer.step
 
-    def watched_step(grad, write_param):
+    def watched_step(grad, write_param, **kw):
         rec["grad_sink"] = max(rec.get("grad_sink", 0), engine.streamed.sink.nbytes())
-        return step(grad, write_param)
+        return step(grad, write_param, **kw)
 
     engine.optimizer.step = watched_step
     tokens = np.asarray(jax.random.randint(jax.random.key(0), (BATCH, CFG.seq + 1), 0, CFG.vocab))

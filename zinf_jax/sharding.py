@@ -18,6 +18,7 @@ A batch's leading dimension is split over every axis but ``tensor``
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -320,27 +321,47 @@ def assemble(layout: ParamLayout, mesh: Mesh, shards: Mapping[int, Any], dtype: 
     Returns:
       A jax.Array with ``NamedSharding(mesh, layout.spec)`` in device memory.
     """
-    sharding = NamedSharding(mesh, layout.spec)
-    arrays = []
-    for idx, devs in local_shard_devices(mesh, layout.axes).items():
-        src = shards[0 if layout.dim is None else idx]
-        if dtype is not None and src.dtype != dtype:
-            src = src.astype(dtype)
-        arrays.extend(
-            jax.device_put(src, jax.sharding.SingleDeviceSharding(d, memory_kind=d.default_memory().kind)) for d in devs
-        )
-    order = {d: i for i, d in enumerate(sharding.addressable_devices)}
-    arrays.sort(key=lambda a: order[next(iter(a.devices()))])
-    return jax.make_array_from_single_device_arrays(layout.stored_shape, sharding, arrays)
+    return assemble_many([layout], mesh, [shards], dtype)[0]
+
+
+def assemble_many(layouts: Sequence[ParamLayout], mesh: Mesh, shards: Sequence[Mapping[int, Any]],
+                  dtype: Any = None) -> list[jax.Array]:
+    """:func:`assemble` of several parameters with one batched host-to-device copy (a unit's fetch)."""
+    srcs, targets = [], []
+    for lay, sh in zip(layouts, shards):
+        for idx, dev in _placements(mesh, lay.axes, lay.dim is None):
+            src = sh[idx]
+            srcs.append(src if dtype is None or src.dtype == dtype else src.astype(dtype))
+            targets.append(jax.sharding.SingleDeviceSharding(dev, memory_kind=dev.default_memory().kind))
+    placed = iter(jax.device_put(srcs, targets))
+    out = []
+    for lay in layouts:
+        n = len(_placements(mesh, lay.axes, lay.dim is None))
+        out.append(jax.make_array_from_single_device_arrays(
+            lay.stored_shape, NamedSharding(mesh, lay.spec), [next(placed) for _ in range(n)]))
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _placements(mesh: Mesh, axes: tuple[str, ...], persistent: bool) -> tuple[tuple[int, jax.Device], ...]:
+    """(shard index, device) of every addressable device, in the order sharded arrays list them."""
+    pairs = [(0 if persistent else idx, d) for idx, devs in local_shard_devices(mesh, axes).items() for d in devs]
+    order = {d: i for i, d in enumerate(mesh.devices.flat)}
+    return tuple(sorted(pairs, key=lambda p: order[p[1]]))
 
 
 def split_local(layout: ParamLayout, mesh: Mesh, array: jax.Array) -> dict[int, jax.Array]:
     """The inverse of :func:`assemble`: one single-device array per local shard index."""
+    index = _index_of_device(mesh, layout.axes)
     out = {}
     for s in array.addressable_shards:
-        idx = 0 if layout.dim is None else shard_index_of(mesh, s.device, layout.axes)
-        out.setdefault(idx, s.data)
+        out.setdefault(0 if layout.dim is None else index[s.device], s.data)
     return dict(sorted(out.items()))
+
+
+@functools.lru_cache(maxsize=64)
+def _index_of_device(mesh: Mesh, axes: tuple[str, ...]) -> dict[jax.Device, int]:
+    return {d: idx for idx, devs in local_shard_devices(mesh, axes).items() for d in devs}
 
 
 def format_table(layouts: Iterable[ParamLayout], dtype: Any = None) -> str:

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -40,6 +41,9 @@ from zinf_jax.train_checks import check_args, check_batch
 
 __all__ = ["TrainArgs", "train", "build_config", "check_args", "Interrupted", "NonFiniteLossError",
            "MAX_NONFINITE_IN_A_ROW"]
+
+PROFILE_STEPS = range(1, 4)
+"""Steps of a run (0-based, in this invocation) that ``--profile`` traces: after the first step's compiles."""
 
 MAX_NONFINITE_IN_A_ROW = 10
 """Consecutive steps with a non-finite loss after which the job stops (they change nothing: they are skipped)."""
@@ -83,6 +87,9 @@ class TrainArgs:
       persistence_threshold: parameters with at most this many elements are not
         sharded (small, so that the demo model's blocks really are partitioned).
       progress: draw the live progress line.
+      profile: a directory to write a profiler trace of steps 2-4 of this run
+        to (TensorBoard / Perfetto; the engine's ``zinf/...`` regions show
+        fetches, unit forward/backward, gradients out, optimizer read/update/write).
     """
 
     steps: int = 150
@@ -109,6 +116,7 @@ class TrainArgs:
     seed: int = 0
     persistence_threshold: int = 1024
     progress: bool = True
+    profile: str | None = None
 
 
 def build_config(args: TrainArgs) -> ZeroConfig:
@@ -236,8 +244,16 @@ def _loop(run: _Run, log: TextIO, out: TextIO, stop: StopRequest, seed: int) -> 
     """Steps until ``args.steps`` optimizer steps are applied, a stop is requested or the loss stays non-finite."""
     args, engine, data = run.args, run.engine, corpus()
     bar = Progress(args.steps, engine.step, out, args.progress)
+    tracing, steps_run = False, 0
     try:
         while engine.step < args.steps and not stop.requested:
+            if args.profile and steps_run == PROFILE_STEPS.start:  # after the first step's compiles
+                jax.profiler.start_trace(args.profile)
+                tracing = True
+            if tracing and steps_run == PROFILE_STEPS.stop:
+                jax.profiler.stop_trace()
+                tracing = False
+            steps_run += 1
             m = engine.train_step(batch_at(data, run.data_pos, args.batch, args.seq, seed))
             run.data_pos += 1
             m["data_step"] = run.data_pos
@@ -253,7 +269,12 @@ def _loop(run: _Run, log: TextIO, out: TextIO, stop: StopRequest, seed: int) -> 
             if run.nonfinite_in_a_row >= MAX_NONFINITE_IN_A_ROW:
                 break
     finally:
+        if tracing:
+            jax.profiler.stop_trace()
         bar.close()
+    if args.profile and steps_run <= PROFILE_STEPS.start:
+        out.write(f"warning: --profile {args.profile}: no trace written; the run stopped after {steps_run} step(s), "
+                  f"before the traced steps {PROFILE_STEPS.start + 1}-{PROFILE_STEPS.stop}\n")
     notice = stop.take_notice()
     if notice:
         out.write(notice)

@@ -13,7 +13,7 @@ the target, which writes it to the grad tier and sums repeats there.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -49,20 +49,17 @@ class GradSink:
 
     def add(self, path: str, grad: jax.Array) -> None:
         """Adds a stored-form, sharded float32 gradient of ``path``."""
-        shards = split_local(self.layouts[path], self.mesh, grad)
-        for s in shards.values():
-            s.copy_to_host_async()
-        for idx, s in shards.items():
-            host = np.asarray(s, dtype=np.float32)
-            if self.target is not None:
-                self.target.add(path, idx, host)
-                continue
-            with self._lock:
-                acc = self._acc.get((path, idx))
-                if acc is None:
-                    self._acc[(path, idx)] = np.array(host, copy=True)
-                else:
-                    acc += host
+        self.add_many([path], [grad])
+
+    def add_many(self, paths: Sequence[str], grads: Sequence[jax.Array]) -> None:
+        """Adds the gradients of several parameters (a unit's), their device-to-host copies issued together."""
+        parts = [(path, split_local(self.layouts[path], self.mesh, g)) for path, g in zip(paths, grads)]
+        for _, shards in parts:
+            for s in shards.values():
+                s.copy_to_host_async()
+        for path, shards in parts:
+            for idx, s in shards.items():
+                self.add_local(path, idx, np.asarray(s, dtype=np.float32))
 
     def add_local(self, path: str, index: int, grad: np.ndarray) -> None:
         """Adds a host gradient for one local shard (persistent parameters)."""

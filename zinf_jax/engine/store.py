@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from zinf_jax.sharding import ParamLayout, assemble, local_shard_devices, split_local
+from zinf_jax.sharding import ParamLayout, assemble_many, local_shard_devices, split_local
 from zinf_jax.tiers.base import ShardSpec, Tier, TierError, done_future
 
 __all__ = ["ParamStore", "ParamMismatchError", "local_indices_of"]
@@ -115,11 +115,8 @@ class ParamStore:
           TierError: a shard cannot be read.
         """
         futs = {p: {i: self.read_local(p, i) for i in self.local_indices(p)} for p in paths}
-        out = []
-        for p in paths:
-            shards = {i: f.result() for i, f in futs[p].items()}
-            out.append(assemble(self.layouts[p], self.mesh, shards))
-        return out
+        shards = [{i: f.result() for i, f in futs[p].items()} for p in paths]
+        return assemble_many([self.layouts[p] for p in paths], self.mesh, shards)
 
     def sharding(self, path: str) -> NamedSharding:
         """Sharding of the stored form of ``path``."""

@@ -26,17 +26,19 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import warnings
 from typing import Any, Callable, Collection, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.profiler import TraceAnnotation
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zinf_jax.engine.adapters import EngineError
+from zinf_jax.engine.glue import GlueProgram, Recorder, UnitCall
 from zinf_jax.engine.grads import GradSink
 from zinf_jax.engine.hostmem import release_free_memory
+from zinf_jax.engine.overlap import WriteGate
 from zinf_jax.engine.prefetch import Prefetcher
 from zinf_jax.engine.programs import Penalty, UnitPrograms, join_inputs, split_diff, split_inputs
 from zinf_jax.engine.store import ParamStore
@@ -47,6 +49,9 @@ __all__ = ["StreamedModel", "EngineError", "Phase", "ParamLoss", "JIT_MESSAGE"]
 ParamLoss = Callable[[str, jax.Array], Any]
 """``param_loss(path, value) -> scalar``: a loss term of one parameter (e.g. L2 on kernels), 0 for none."""
 
+
+MAX_TRACES = 16
+"""Traced losses kept (per loss function, mode and input signature), oldest dropped first."""
 
 TRIM_BYTES = 64 << 20
 """Gathered bytes of a unit from which freed host memory is returned to the system after each call."""
@@ -61,22 +66,22 @@ JIT_MESSAGE = (
 class Phase(enum.Enum):
     """What a pass over the wrapped model is doing."""
 
-    PLAN = "plan"    # one abstract trace that records the unit call order
     TRAIN = "train"  # forward with activation checkpoints, then backward
     EVAL = "eval"    # forward only
 
 
 @dataclasses.dataclass
 class _Pass:
-    """State of one pass: saved activation checkpoints, penalties, the plan being recorded."""
+    """State of one pass: saved activation checkpoints (and their device bytes), penalties."""
 
     phase: Phase
     train: bool  # unit programs in training mode (dropout on, state updated)
     loss_scale: float = 1.0
     saved: list[tuple[Any, ...]] = dataclasses.field(default_factory=list)
+    saved_bytes: int = 0
+    state_bytes: int = 0
     penalized: set[int] = dataclasses.field(default_factory=set)
     penalty: Any = 0.0
-    calls: list[tuple[int, str]] = dataclasses.field(default_factory=list)
 
 
 def _one_program_at_a_time(mesh: Any) -> bool:
@@ -102,6 +107,23 @@ def _nbytes_on_devices(tree: Any) -> int:
     return total
 
 
+@dataclasses.dataclass(frozen=True)
+class _Traced:
+    """A loss traced for one input signature: its compiled glue, output structure and unit call order."""
+
+    program: GlueProgram
+    out_tree: Any
+    plan: Plan
+    args: list = dataclasses.field(default_factory=list)  # the flat inputs of this pass (glue, state, batch)
+
+    def unflatten(self, leaves: list) -> Any:
+        return jax.tree.unflatten(self.out_tree, leaves)
+
+
+def _avals(leaves: Sequence[Any]) -> tuple:
+    return tuple((jnp.shape(x), jax.typeof(x).dtype, getattr(jax.typeof(x), "weak_type", False)) for x in leaves)
+
+
 class StreamedModel:
     """Runs a wrapped model's loss with streamed units.
 
@@ -118,6 +140,8 @@ class StreamedModel:
       trainable: paths of the parameters to differentiate (``None``: all);
         the others (frozen) are gathered and used but get no gradient.
       sink: where unit gradients go (default: a host :class:`GradSink`).
+      gate: holds a unit's fetch until an optimizer step in flight has written
+        its parameters (see :mod:`zinf_jax.engine.overlap`).
     """
 
     def __init__(
@@ -132,6 +156,7 @@ class StreamedModel:
         param_loss: ParamLoss | None = None,
         trainable: Collection[str] | None = None,
         sink: GradSink | None = None,
+        gate: WriteGate | None = None,
     ):
         self.adapter = adapter
         self.store = store
@@ -146,8 +171,9 @@ class StreamedModel:
             sum(l.size * jnp.dtype(store.dtype_of(l.path)).itemsize for l in lays) * len(self.mesh.devices.flat)
             for lays in self._layouts
         ]
+        self.gate = gate or WriteGate()
         self.prefetcher = Prefetcher(
-            lambda uid: store.fetch(self.units[uid].param_paths),
+            self._fetch,
             lambda uid: self._unit_bytes[uid],
             prefetch_depth,
             max_live_bytes,
@@ -160,10 +186,16 @@ class StreamedModel:
         self.plan: Plan | None = None
         self._pass: _Pass | None = None
         self._vjp_fns: dict[tuple, Callable] = {}
+        self._traces: dict[tuple, _Traced] = {}
         self.peak_device_bytes = 0
         self.peak_live_array_bytes = 0
-        self._warned = False
         self._sync_units = _one_program_at_a_time(self.mesh)
+
+    def _fetch(self, uid: int) -> list[jax.Array]:
+        paths = self.units[uid].param_paths
+        with TraceAnnotation("zinf/fetch", unit=self.units[uid].path):
+            self.gate.wait(paths)
+            return self.store.fetch(paths)
 
     def _unit_penalty(self, unit: Any) -> Penalty | None:
         if self.param_loss is None:
@@ -180,35 +212,58 @@ class StreamedModel:
                     for p, x in zip(self.adapter.glue_paths, glue)), jnp.float32(0))
 
     # --- public passes --------------------------------------------------------
-    def make_plan(self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array]) -> Plan:
-        """Finds the unit call order with one abstract trace of the loss."""
-        p = self._pass = _Pass(Phase.PLAN, train=True)
-        try:
-            hook = functools.partial(self._call_unit, p, None)
-            jax.eval_shape(lambda g: self.adapter.run(loss_fn, g, self.state, batch, hook, True)[0], list(glue))
-        finally:
-            self._pass = None
-        self.plan = Plan(calls=tuple(p.calls), units=tuple(self.units))
-        return self.plan
+    def make_plan(self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array], train: bool = True) -> Plan:
+        """Traces the loss (once per input signature): the unit call order and the compiled glue."""
+        return self._traced(loss_fn, batch, glue, train).plan
+
+    def _traced(self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array], train: bool) -> _Traced:
+        """The loss traced for these inputs' signature, from the cache or traced now."""
+        sdyn, ssig = split_inputs("model state", self.state)
+        bdyn, bsig = split_inputs("batch", batch)
+        key = (loss_fn, train, ssig, bsig, _avals(glue), _avals(sdyn), _avals(bdyn))
+        hit = self._traces.get(key)
+        if hit is None:
+            if len(self._traces) >= MAX_TRACES:  # a new loss_fn object per call would grow it without bound
+                self._traces.pop(next(iter(self._traces)))
+            rec = Recorder(functools.partial(self._out_shapes, train))
+            tree = []
+
+            def flat(g, s, b):
+                out = self.adapter.run(loss_fn, list(g), join_inputs(ssig, s), join_inputs(bsig, b), rec, train)
+                leaves, t = jax.tree.flatten(out)
+                tree.append(t)
+                return leaves
+
+            closed = jax.make_jaxpr(flat)(list(glue), sdyn, bdyn)
+            plan = Plan(calls=tuple((c.uid, c.method) for c in rec.calls), units=tuple(self.units))
+            hit = self._traces[key] = _Traced(GlueProgram(closed, rec.calls), tree[0], plan)
+        self.plan = hit.plan
+        return dataclasses.replace(hit, args=[*glue, *sdyn, *bdyn])
+
+    def _out_shapes(self, train: bool, uid: int, method: str, sig: tuple, dyn: list) -> Any:
+        full = [jax.ShapeDtypeStruct(l.shape, self.store.dtype_of(l.path)) for l in self._layouts[uid]]
+        sds = [jax.ShapeDtypeStruct(jnp.shape(x), jax.typeof(x).dtype) for x in dyn]
+        return jax.eval_shape(self._unit_fn(uid, method, sig, train), full, sds)
 
     def forward_backward(
         self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array], *, has_aux: bool, loss_scale: float = 1.0,
-        accumulate: bool = False,
+        accumulate: bool = False, before_backward: Callable[[], None] | None = None,
     ) -> tuple[jax.Array, Any, list[jax.Array]]:
         """Loss, aux and glue-parameter gradients; unit gradients go to :attr:`sink`.
 
         The backward pass is seeded with ``loss_scale`` (float16 loss scaling,
         divided by the micro-batch count under gradient accumulation). The
         model's non-parameter state (RNG counters, batch statistics) advances.
-        ``accumulate`` adds to the gradients the sink holds instead of clearing it.
+        ``accumulate`` adds to the gradients the sink holds instead of clearing it;
+        ``before_backward()`` runs between the forward and the backward pass.
         """
         if not accumulate:
             self.sink.clear()
-        p = self._begin(loss_fn, batch, glue, _Pass(Phase.TRAIN, train=True, loss_scale=loss_scale))
+        p, traced = self._begin(loss_fn, batch, glue, _Pass(Phase.TRAIN, train=True, loss_scale=loss_scale))
         try:
             def f(g, anchor):
-                hook = functools.partial(self._call_unit, p, anchor)
-                out, new_state, batch_state = self.adapter.run(loss_fn, g, self.state, batch, hook, True)
+                call = functools.partial(self._run_call, p, anchor, traced.program.calls)
+                out, new_state, batch_state = traced.unflatten(traced.program([*g, *traced.args[len(g):]], call))
                 loss, aux = out if has_aux else (out, None)
                 if self.param_loss is not None:
                     loss = loss + self.glue_penalty(g) + p.penalty
@@ -219,6 +274,8 @@ class StreamedModel:
             if jnp.shape(loss) != ():
                 raise EngineError(f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}; reduce it "
                                   "(e.g. jnp.mean) — nothing was applied")
+            if before_backward is not None:
+                before_backward()
             g_glue, _ = vjp(jnp.full_like(loss, loss_scale))
         finally:
             self._end(p)
@@ -235,10 +292,10 @@ class StreamedModel:
         and other non-parameter state are left as they were, so evaluating
         between training steps does not alter training.
         """
-        p = self._begin(loss_fn, batch, glue, _Pass(Phase.EVAL, train=train))
+        p, traced = self._begin(loss_fn, batch, glue, _Pass(Phase.EVAL, train=train))
         try:
-            hook = functools.partial(self._call_unit, p, None)
-            out, new_state, batch_state = self.adapter.run(loss_fn, list(glue), self.state, batch, hook, train)
+            call = functools.partial(self._run_call, p, None, traced.program.calls)
+            out, new_state, batch_state = traced.unflatten(traced.program(traced.args, call))
         finally:
             self._end(p)
         if train:
@@ -246,45 +303,33 @@ class StreamedModel:
             self.adapter.update_batch(batch, batch_state)
         return out if has_aux else (out, None)
 
-    def _begin(self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array], p: _Pass) -> _Pass:
+    def _begin(self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array], p: _Pass) -> tuple[_Pass, _Traced]:
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((batch, list(glue)))):
             raise EngineError(JIT_MESSAGE)
-        if self.plan is None:
-            self.make_plan(loss_fn, batch, glue)
-        self.prefetcher.start(self.plan.schedule(p.phase is Phase.TRAIN))
+        traced = self._traced(loss_fn, batch, glue, p.train)
+        self.prefetcher.start(traced.plan.schedule(p.phase is Phase.TRAIN))
+        p.state_bytes = _nbytes_on_devices(self.state)
         self._pass = p
-        return p
+        return p, traced
 
     def _end(self, p: _Pass) -> None:
         self._pass = None
         p.saved.clear()
         self.prefetcher.finish()
-        if self.prefetcher.deviated:
-            seen = self.prefetcher.seen
-            fwd = tuple(seen[: len(seen) // 2] if p.phase is Phase.TRAIN else seen)
-            if not self._warned:
-                warnings.warn("zinf_jax: unit call order differed from the plan; re-planning from the order seen")
-                self._warned = True
-            self.plan = Plan(calls=fwd, units=tuple(self.units))
 
-    # --- the hook -------------------------------------------------------------
-    def _call_unit(self, p: _Pass, anchor: Any, uid: int, method: str, inputs: Any) -> Any:
-        """Every wrapped unit call of a pass arrives here (the adapter's hook)."""
+    def _run_call(self, p: _Pass, anchor: Any, calls: Sequence[UnitCall], k: int, dyn: list) -> list:
+        """Runs traced unit call ``k`` of a pass (forward only without ``anchor``); its flat outputs."""
         if self._pass is not p:
             raise EngineError("a unit of the wrapped model was called outside engine.train_step/eval_step")
-        dyn, sig = split_inputs(f"{self.units[uid].path}.{method}", inputs)
-        if p.phase is Phase.PLAN:
-            p.calls.append((uid, method))
-            full = [jax.ShapeDtypeStruct(l.shape, self.store.dtype_of(l.path)) for l in self._layouts[uid]]
-            sds = [jax.ShapeDtypeStruct(jnp.shape(x), jax.typeof(x).dtype) for x in dyn]
-            out = jax.eval_shape(self._unit_fn(uid, method, sig, True), full, sds)
-            return jax.tree.map(_zeros_like, out)
+        c = calls[k]
         if anchor is None:  # forward only: no backward rule needed
-            return self._forward(p, uid, method, sig, dyn)
-        fn = self._vjp_fns.get((uid, method, sig, p.train))
-        if fn is None:
-            fn = self._vjp_fns[(uid, method, sig, p.train)] = self._make_vjp(p.train, uid, method, sig)
-        return fn(dyn, anchor)
+            out = self._forward(p, c.uid, c.method, c.sig, dyn)
+        else:
+            fn = self._vjp_fns.get((c.uid, c.method, c.sig, p.train))
+            if fn is None:
+                fn = self._vjp_fns[(c.uid, c.method, c.sig, p.train)] = self._make_vjp(p.train, c.uid, c.method, c.sig)
+            out = fn(dyn, anchor)
+        return c.out_tree.flatten_up_to(out)
 
     def _make_vjp(self, train: bool, uid: int, method: str, sig: tuple) -> Callable:
         # ``anchor`` is a float scalar tied to the outer vjp: without it a unit whose
@@ -322,21 +367,25 @@ class StreamedModel:
         fn = self._unit_fn(uid, method, sig, p.train)
         prog = self.programs.forward(self._key(uid, method, sig, p.train), self._layouts[uid], fn, penalty)
         self._account(uid)
-        out = prog(stored, dyn)
+        with TraceAnnotation("zinf/unit_forward", unit=self.units[uid].path):
+            out = prog(stored, dyn)
         if penalty is not None:
             out, value = out
             p.penalty = p.penalty + value
         if self._sync_units:
             jax.block_until_ready(out)
         if save:
-            p.saved.append((uid, method, self._park(dyn), penalty))
+            parked = self._park(dyn)
+            p.saved.append((uid, method, parked, penalty, _nbytes_on_devices(parked)))
+            p.saved_bytes += p.saved[-1][-1]
         del stored
         self.prefetcher.release()
         self._release_host(uid)
         return out
 
     def _backward(self, p: _Pass, uid: int, method: str, sig: tuple, g: Any) -> Any:
-        suid, smethod, parked, penalty = p.saved.pop()
+        suid, smethod, parked, penalty, nbytes = p.saved.pop()
+        p.saved_bytes -= nbytes
         if (suid, smethod) != (uid, method):
             raise EngineError(f"backward order mismatch: expected {self.units[suid].path}.{smethod}, got {self.units[uid].path}.{method}")
         dyn = self._unpark(parked)
@@ -346,15 +395,16 @@ class StreamedModel:
                                       self._trainable[uid])
         self._account(uid)
         g = [x for x in jax.tree.leaves(g) if x.dtype != jax.dtypes.float0]
-        gp, gd = prog(stored, dyn, g, np.float32(p.loss_scale))
+        with TraceAnnotation("zinf/unit_backward", unit=self.units[uid].path):
+            gp, gd = prog(stored, dyn, g, np.float32(p.loss_scale))
         if self._sync_units:
             jax.block_until_ready((gp, gd))
         del stored
         self.prefetcher.release()
-        for path, gpath in zip(self.units[uid].param_paths, gp):
-            if gpath is not None:
-                self.sink.add(path, gpath)
-        del gp
+        kept = [(path, x) for path, x in zip(self.units[uid].param_paths, gp) if x is not None]
+        with TraceAnnotation("zinf/grads_out", unit=self.units[uid].path):
+            self.sink.add_many([k for k, _ in kept], [x for _, x in kept])
+        del gp, kept
         self._release_host(uid)
         out = [np.zeros(np.shape(x), jax.dtypes.float0) for x in dyn]
         for i, d in zip(split_diff(dyn), gd):
@@ -390,8 +440,9 @@ class StreamedModel:
 
     def held_device_bytes(self) -> int:
         """Bytes the engine holds on device now: params in flight + checkpoints + model state."""
-        saved = self._pass.saved if self._pass is not None else []
-        return self.prefetcher.held_bytes() + _nbytes_on_devices([s[2] for s in saved]) + _nbytes_on_devices(self.state)
+        p = self._pass
+        held = self.prefetcher.held_bytes()
+        return held + (p.saved_bytes + p.state_bytes if p is not None else _nbytes_on_devices(self.state))
 
     def _account(self, uid: int) -> None:
         now = self.held_device_bytes() + self._gathered[uid]

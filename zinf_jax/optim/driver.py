@@ -29,9 +29,10 @@ import dataclasses
 import math
 import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
+from jax.profiler import TraceAnnotation
 
 from zinf_jax.optim.grads_out import TierGrads
 from zinf_jax.optim.kernel import all_finite, sum_squares
@@ -116,6 +117,8 @@ class StreamedOptimizer:
         self._zeros: np.ndarray | None = None  # zero grad, zero moments (read only)
         self._assembly: np.ndarray | None = None  # a multi-chunk shard handed to write_param
         self._assembly_pending: list[Future] = []
+        self._on_written: Callable[[str], None] | None = None
+        self._left: collections.Counter = collections.Counter()  # sub-groups of each path not yet written
         self.last_stats: dict[str, float] = {}
         """Seconds of the last :meth:`step` in the norm pass, waiting on reads and writes, in Adam, in write_param."""
 
@@ -288,8 +291,22 @@ class StreamedOptimizer:
     def _release(self, bs: BufferSet, *, quiet: bool = False) -> None:
         wait_all(bs.pending, quiet)
         bs.pending = []
+        gr, bs.written = bs.written, None
         self._live -= 1
         self._free.append(bs)
+        if gr is not None and not quiet:
+            self._left[gr.path] -= 1
+            if self._left[gr.path] == 0 and self._on_written is not None:
+                self._on_written(gr.path)
+
+    def order(self, paths: Sequence[str]) -> None:
+        """Updates the parameters in this order (the next forward's), the others after them.
+
+        Changes no number: each sub-group's update is independent of the others,
+        and the global norm is an exact sum.
+        """
+        rank = {p: i for i, p in enumerate(paths)}
+        self._groups.sort(key=lambda g: rank.get(g.path, len(rank)))
 
     def _io(self, bs: BufferSet, gr: Group, read: bool) -> None:
         """Reads or writes every state of sub-group ``gr``; each future joins ``bs.pending`` at once."""
@@ -316,7 +333,8 @@ class StreamedOptimizer:
             pipe.nxt += 1
 
     def step(self, grad: Callable[[str, int], np.ndarray | None],
-             write_param: Callable[[str, int, np.ndarray], Any]) -> dict:
+             write_param: Callable[[str, int, np.ndarray], Any],
+             on_written: Callable[[str], None] | None = None) -> dict:
         """One optimizer step over every local shard.
 
         The first sub-groups are read while the norm pass runs; a skipped step
@@ -333,6 +351,9 @@ class StreamedOptimizer:
             float32 master shard once all its chunks are done. The array is
             the driver's buffer: copy it before returning, or return a future
             (the buffer is not reused before it resolves).
+          on_written: ``on_written(path)``, called (on this thread) once every
+            local shard of ``path`` is updated and its writes (state and
+            ``write_param``) have resolved; not called for a skipped step.
 
         Returns:
           ``{"grad_norm", "skipped", "loss_scale", "step", "lr"}``: the unscaled
@@ -342,9 +363,13 @@ class StreamedOptimizer:
         """
         t0 = time.perf_counter()
         pipe = Pipe()
+        self._on_written = on_written
+        self._left = collections.Counter(g.path for g in self._groups)
         try:
             self._fill(pipe, 0)
-            gs = grad_scale(self._norm_sq(grad), loss_scale=self._scaler.scale, clip_norm=self.rule.clip_norm)
+            with TraceAnnotation("zinf/optimizer_norm"):
+                norm_sq = self._norm_sq(grad)
+            gs = grad_scale(norm_sq, loss_scale=self._scaler.scale, clip_norm=self.rule.clip_norm)
             stats = {"norm_s": time.perf_counter() - t0}
             lr = self.rule.lr_at(self._count)
             if gs.finite:
@@ -374,8 +399,9 @@ class StreamedOptimizer:
             self._fill(pipe, j)
             bs = pipe.current = pipe.reads.popleft()
             t = time.perf_counter()
-            for f in bs.pending:
-                f.result()
+            with TraceAnnotation("zinf/optimizer_read", param=gr.path):
+                for f in bs.pending:
+                    f.result()
             bs.pending = []
             t_read += time.perf_counter() - t
             t = time.perf_counter()
@@ -389,11 +415,13 @@ class StreamedOptimizer:
                 g_part = self._zero_buffer()[:gr.valid] if cur_grad is None else self._as_f32(cur_grad, sl.start, sl.stop)
             size = self._chunk[gr.path]
             arrays = [a[:size] for a in bs.arrays[:len(self._names[gr.path])]]
-            self.rule.update(gr.path, self.layouts[gr.path].shape, arrays, g_part, valid=gr.valid, step=step, lr=lr,
-                             mult=mult)
+            with TraceAnnotation("zinf/optimizer_update", param=gr.path):
+                self.rule.update(gr.path, self.layouts[gr.path].shape, arrays, g_part, valid=gr.valid, step=step,
+                                 lr=lr, mult=mult)
             p = arrays[0][:gr.valid]
             t_adam += time.perf_counter() - t
-            self._io(bs, gr, read=False)
+            with TraceAnnotation("zinf/optimizer_write", param=gr.path):
+                self._io(bs, gr, read=False)
 
             t = time.perf_counter()
             shape, numel = self.layouts[gr.path].shard_shape, self._numel[gr.path]
@@ -411,7 +439,9 @@ class StreamedOptimizer:
                 if gr.chunk == gr.n_chunks - 1:
                     out = write_param(gr.path, gr.shard, self._assembly[:numel].reshape(shape))
                     self._assembly_pending += [out] if is_future(out) else []
+                    bs.pending += [out] if is_future(out) else []  # the shard counts as written once it resolves
             t_param += time.perf_counter() - t
+            bs.written = gr
             pipe.writing.append(bs)
             pipe.current = None
         t = time.perf_counter()

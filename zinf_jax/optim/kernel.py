@@ -99,7 +99,7 @@ class AdamCoefficients(NamedTuple):
 
 if NUMBA_AVAILABLE:
 
-    @njit(parallel=True, fastmath={"arcp", "contract"}, error_model="numpy", cache=True)
+    @njit(parallel=True, nogil=True, fastmath={"arcp", "contract"}, error_model="numpy", cache=True)
     def _adam_nb(p, m, v, g, gs, b1, omb1, b2, omb2, bc1, bc2, eps, eps_root, wd, neg_lr):
         for i in prange(p.shape[0]):
             gi = g[i] * gs
@@ -111,7 +111,7 @@ if NUMBA_AVAILABLE:
             u = u + wd * p[i]
             p[i] = p[i] + neg_lr * u
 
-    @njit(parallel=True, fastmath={"reassoc", "contract", "nsz"}, error_model="numpy", cache=True)
+    @njit(parallel=True, nogil=True, fastmath={"reassoc", "contract", "nsz"}, error_model="numpy", cache=True)
     def _sum_squares_nb(x):
         acc = 0.0
         for i in prange(x.shape[0]):
@@ -119,7 +119,7 @@ if NUMBA_AVAILABLE:
             acc += xi * xi
         return acc
 
-    @njit(parallel=True, fastmath={"reassoc", "nsz"}, error_model="numpy", cache=True)
+    @njit(parallel=True, nogil=True, fastmath={"reassoc", "nsz"}, error_model="numpy", cache=True)
     def _nonfinite_probe_nb(x):
         # x * 0 is 0 for finite x and NaN for +-Inf or NaN; the sum keeps any NaN.
         acc = np.float32(0.0)

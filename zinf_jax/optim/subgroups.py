@@ -49,6 +49,7 @@ class BufferSet:
     def __init__(self, size: int, count: int):
         self.arrays = tuple(aligned_empty(4 * size).view(np.float32) for _ in range(count))
         self.pending: list[Future] = []
+        self.written: Group | None = None  # the sub-group whose writes ``pending`` holds
 
 
 @dataclasses.dataclass

@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import numpy as np
 
-from zinf_jax.tiers.base import ByteBudget, ShardSpec, TierError, np_dtype as _np
+from zinf_jax.tiers.base import ByteBudget, ShardSpec, TierError, done_future, np_dtype as _np
 
 __all__ = ["DeviceTier", "CpuTier"]
 
@@ -124,6 +124,9 @@ class _MemoryTier:
             value = self._data.get((key, index))
         if value is None:
             raise TierError(f"{self.kind} tier: no data for shard {index} of {key!r}")
+
+        if out is None and not isinstance(value, np.ndarray):
+            return done_future(value)  # an immutable jax.Array: nothing to copy, no transfer to schedule
 
         def load():
             if out is None:

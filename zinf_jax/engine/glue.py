@@ -1,0 +1,177 @@
+"""Compiled glue: the code between unit calls runs as jitted segments.
+
+The user's loss is traced once per input signature (structure, shapes and
+dtypes of the glue parameters, the model state and the batch; Python values in
+the batch) into a jaxpr in which every unit call is a single
+``zinf_unit_call`` equation. The equations between two unit calls form a
+*segment*; each is compiled with :func:`jax.jit`. Running the loss walks the
+segments in order and hands each unit call to the engine, which fetches the
+unit's parameters and runs its own compiled program.
+
+Under the engine's outer :func:`jax.vjp` a jitted segment is one compiled
+program forward and one backward (JAX splits a ``jit`` call into its known and
+linear parts), so a step dispatches a small constant number of programs per
+unit instead of every embedding add, layer norm and loss op one by one.
+
+As under ``jax.jit``, Python side effects of the loss run once, at trace time,
+and arrays it closes over are captured as constants.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+from jax._src import core
+from jax.extend.core import Primitive
+from jax.profiler import TraceAnnotation
+
+from zinf_jax.engine.programs import split_inputs
+
+__all__ = ["UnitCall", "Recorder", "GlueProgram", "unit_call_p"]
+
+unit_call_p = Primitive("zinf_unit_call")
+"""A unit call in a traced loss: never lowered, only cut at (see :class:`GlueProgram`)."""
+unit_call_p.multiple_results = True
+unit_call_p.def_abstract_eval(lambda *args, call, out_avals: out_avals)
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitCall:
+    """One unit call of a traced loss: which unit and method, its static inputs, the structure of its outputs."""
+
+    uid: int
+    method: str
+    sig: Any
+    out_tree: Any
+
+
+OutShapes = Callable[[int, str, Any, list], Any]
+"""``(uid, method, sig, dyn) -> pytree of ShapeDtypeStruct``: what a unit call returns."""
+
+
+class Recorder:
+    """The hook of a tracing pass: records each unit call and stands for it with one equation.
+
+    Args:
+      out_shapes: the output shapes of a unit call (an abstract evaluation of its program).
+    """
+
+    def __init__(self, out_shapes: OutShapes):
+        self._out_shapes = out_shapes
+        self.calls: list[UnitCall] = []
+
+    def __call__(self, uid: int, method: str, inputs: Any) -> Any:
+        dyn, sig = split_inputs(f"unit {uid}.{method}", inputs)
+        leaves, tree = jax.tree.flatten(self._out_shapes(uid, method, sig, dyn))
+        avals = tuple(core.ShapedArray(s.shape, s.dtype, weak_type=getattr(s, "weak_type", False)) for s in leaves)
+        k = len(self.calls)
+        self.calls.append(UnitCall(uid, method, sig, tree))
+        return jax.tree.unflatten(tree, unit_call_p.bind(*dyn, call=k, out_avals=avals))
+
+
+@dataclasses.dataclass
+class _Step:
+    ins: list[Any]        # atoms read (Vars or Literals)
+    outs: list[Any]       # Vars written
+    drop: list[Any]       # Vars read for the last time here
+    eqns: list[Any] | None  # the segment's equations; None for a unit call
+    call: int = -1          # index into the recorded calls
+    fn: Callable | None = None  # the jitted segment
+    effects: Any = frozenset()
+
+
+class GlueProgram:
+    """A traced loss cut at its unit calls: jitted segments between engine calls.
+
+    Args:
+      closed: the traced loss (``jax.make_jaxpr`` output) with unit calls as
+        ``zinf_unit_call`` equations.
+      calls: the unit calls recorded while tracing, in order.
+    """
+
+    def __init__(self, closed: core.ClosedJaxpr, calls: Sequence[UnitCall]):
+        self.calls = tuple(calls)
+        jaxpr = closed.jaxpr
+        self._invars = list(jaxpr.invars)
+        self._outvars = list(jaxpr.outvars)
+        self._consts = dict(zip(jaxpr.constvars, closed.consts))
+        groups: list[list[Any]] = [[]]
+        for eqn in jaxpr.eqns:
+            if eqn.primitive is unit_call_p:
+                groups.append(eqn)
+                groups.append([])
+            else:
+                groups[-1].append(eqn)
+        self.steps = [s for s in (self._step(g) for g in groups) if s is not None]
+        self._set_drops()
+
+    @property
+    def segments(self) -> int:
+        """Compiled glue segments run per pass."""
+        return sum(s.eqns is not None for s in self.steps)
+
+    def _step(self, group: Any) -> _Step | None:
+        if not isinstance(group, list):  # a unit call
+            return _Step(list(group.invars), list(group.outvars), [], None, group.params["call"])
+        if not group:
+            return None
+        defined = {v for e in group for v in e.outvars}
+        ins: dict[Any, None] = {}
+        for e in group:
+            for v in e.invars:
+                if isinstance(v, core.Var) and v not in defined:
+                    ins[v] = None
+        return _Step(list(ins), [v for e in group for v in e.outvars if not isinstance(v, core.DropVar)], [], group)
+
+    def _set_drops(self) -> None:
+        """Compiles each segment with the outputs later steps read, and marks where each value is last read."""
+        last: dict[Any, int] = {}
+        for i, s in enumerate(self.steps):
+            for v in s.ins:
+                if isinstance(v, core.Var):
+                    last[v] = i
+        keep = {v for v in self._outvars if isinstance(v, core.Var)}
+        for i, s in enumerate(self.steps):
+            if s.eqns is not None:
+                s.outs = [v for v in s.outs if v in keep or last.get(v, -1) > i]
+                s.effects = core.join_effects(*(e.effects for e in s.eqns))
+                info = core.DebugInfo("zinf_jax glue", f"segment {i}", tuple(f"in{j}" for j in range(len(s.ins))),
+                                      tuple(f"out{j}" for j in range(len(s.outs))))
+                sub = core.Jaxpr([], s.ins, s.outs, s.eqns, s.effects, debug_info=info)
+                s.fn = jax.jit(_as_fun(core.ClosedJaxpr(sub, [])))
+        for v, i in last.items():
+            if v not in keep:
+                self.steps[i].drop.append(v)
+        self.steps = [s for s in self.steps if s.eqns is None or s.outs or s.effects]
+
+    def __call__(self, args: Sequence[Any], call_unit: Callable[[int, list[Any]], list[Any]]) -> list[Any]:
+        """The loss's flat outputs; ``call_unit(k, dyn)`` runs recorded call ``k`` and returns its flat outputs."""
+        env = dict(self._consts)
+        env.update(zip(self._invars, args))
+
+        def read(v: Any) -> Any:
+            return v.val if isinstance(v, core.Literal) else env[v]
+
+        for s in self.steps:
+            ins = [read(v) for v in s.ins]
+            if s.eqns is not None:
+                with TraceAnnotation("zinf/glue"):
+                    outs = s.fn(*ins)
+            else:
+                outs = call_unit(s.call, ins)
+            del ins
+            for v, x in zip(s.outs, outs):
+                if not isinstance(v, core.DropVar):
+                    env[v] = x
+            for v in s.drop:
+                env.pop(v, None)
+        return [read(v) for v in self._outvars]
+
+
+def _as_fun(closed: core.ClosedJaxpr) -> Callable[..., list[Any]]:
+    def run(*args: Any) -> list[Any]:
+        return core.jaxpr_as_fun(closed)(*args)
+
+    return run
+
