@@ -82,14 +82,16 @@ def build_plain(cfg: GPTConfig, mesh, seed: int):
     return run
 
 
-def build_zinf(cfg: GPTConfig, mesh, tier: str, root: Path, seed: int):
+def build_zinf(cfg: GPTConfig, mesh, tier: str, root: Path, seed: int, checkpointing: bool = True,
+               threshold: int = 100_000):
     dev = TIERS[tier]
     path = None
     if dev == "nvme":
         path = root / tier
         path.mkdir(parents=True)
-    config = zinf.ZeroConfig(offload_param=zinf.Offload(dev, path=path),
-                             offload_optimizer=zinf.Offload(dev, path=path))
+    kw = {} if checkpointing else {"activation_checkpointing": False}  # (the default; older versions lack it)
+    config = zinf.ZeroConfig(offload_param=zinf.Offload(dev, path=path), offload_optimizer=zinf.Offload(dev, path=path),
+                             persistence_threshold=threshold, **kw)
     engine = zinf.initialize(lambda: GPT(cfg, rngs=nnx.Rngs(seed)), config=config, mesh=mesh,
                              optimizer=zinf.adamw(LR, weight_decay=WD), loss_fn=lm_loss)
     return engine
@@ -107,7 +109,11 @@ def main() -> None:
     ap.add_argument("--tiers", default="device,cpu,nvme")
     ap.add_argument("--steps-per-rep", type=int, default=5, help="consecutive steps timed as one rep")
     ap.add_argument("--no-overlap", action="store_true", help="skip engine.train_steps (optimizer overlapped)")
+    ap.add_argument("--keep-activations", action="store_true",
+                    help="ZeroConfig(activation_checkpointing=False): no recompute in the backward")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threshold", type=int, default=100_000,
+                    help="persistence_threshold (1024: the main job's, every block parameter sharded)")
     ap.add_argument("--dir", type=Path, default=None, help="scratch dir for the nvme tier (default: a temp dir)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -123,10 +129,11 @@ def main() -> None:
     batches = [batch_at(data, i, args.batch, args.seq, seed=args.seed) for i in range((args.warmup + args.reps) * n)]
     try:
         for t in tiers:
-            engines[t] = e = build_zinf(cfg, mesh, t, root, args.seed)
+            ck = not args.keep_activations
+            engines[t] = e = build_zinf(cfg, mesh, t, root, args.seed, ck, args.threshold)
             runners[t] = lambda bs, e=e: [e.train_step(b)["loss"] for b in bs]
-            if not args.no_overlap:
-                engines[t + "+overlap"] = e = build_zinf(cfg, mesh, t, root / "overlap", args.seed)
+            if not args.no_overlap and hasattr(e, "train_steps"):
+                engines[t + "+overlap"] = e = build_zinf(cfg, mesh, t, root / "overlap", args.seed, ck, args.threshold)
                 runners[t + "+overlap"] = lambda bs, e=e: [m["loss"] for m in e.train_steps(bs)]
         losses: dict[str, list[float]] = {k: [] for k in runners}
         times: dict[str, list[float]] = {k: [] for k in runners}
@@ -153,6 +160,7 @@ def main() -> None:
         "what": "engine.train_step vs jit(value_and_grad)+optax.adamw, same mesh, interleaved reps",
         "model": {"d_model": cfg.d_model, "n_layers": cfg.n_layers, "n_heads": cfg.n_heads, "seq": cfg.seq,
                   "vocab": cfg.vocab, "batch": args.batch, "params": n_params},
+        "activation_checkpointing": not args.keep_activations, "persistence_threshold": args.threshold,
         "devices": len(jax.devices()), "jax": jax.__version__, "python": platform.python_version(),
         "commit": _commit(),
         "times_s": times, "median_s": med, "ratio_median_of_per_rep": ratios,

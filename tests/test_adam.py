@@ -208,3 +208,19 @@ def test_update_rejects_bad_buffers():
     with pytest.raises(ValueError):
         adam_update_shard(frozen, ok.copy(), ok.copy(), ok, **kw)
     adam_update_shard(ok.copy(), ok.copy(), ok.copy(), frozen, **kw)  # a read-only grad is fine
+
+
+@pytest.mark.skipif(not kernel.NUMBA_AVAILABLE, reason="numba not installed")
+@pytest.mark.parametrize("n", [1, 7, 1000, kernel.SERIAL_BELOW - 1, kernel.SERIAL_BELOW + 13, 300_001])
+def test_serial_and_parallel_kernels_agree_bitwise(n):
+    # small shards take the serial kernel: it must be the same arithmetic as the parallel one
+    rng = np.random.default_rng(n)
+    coeffs = kernel.AdamCoefficients(*(np.float32(x) for x in (0.7, 0.9, 0.1, 0.999, 1e-3, 0.3, 0.01, 1e-8, 0.0,
+                                                                 0.1, -1e-3)))
+    a = [rng.standard_normal(n).astype(np.float32) for _ in range(4)]
+    a[2] = np.abs(a[2])
+    b = [x.copy() for x in a]
+    kernel._adam_nb(*a, *coeffs)
+    kernel._adam_serial_nb(*b, *coeffs)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)

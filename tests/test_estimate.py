@@ -211,11 +211,16 @@ def test_fits_and_report():
         if e.optimizer_tier == "nvme":
             assert 12 * e.params <= e.breakdown["nvme.optimizer_state"] < 12.1 * e.params
             assert 24 * e.params <= d.breakdown["nvme.optimizer_state"] < 24.1 * e.params
-            assert 4 * e.params <= e.breakdown["nvme.gradients"] == d.breakdown["nvme.gradients"] < 4.1 * e.params
-            # gradients leave host RAM as they are produced: one unit's at most (4 blocks + embedding here)
-            assert e.breakdown.get("host.grad_sink", 0) <= 4 * e.params / 4
+            # shards of this size (hidden 256: 128 KiB) are gradients kept in host RAM, not written out
+            assert "nvme.gradients" not in e.breakdown and "nvme.gradients" not in d.breakdown
+            assert e.breakdown["host.grad_sink"] >= 4 * e.params
         else:
             assert 12 * e.params <= e.breakdown["host.optimizer_state"] < 12.01 * e.params
+    big = estimate(None, params=None, layers=4, hidden=1024, vocab=1000, seq=128, batch=8, n_devices=8,
+                   config=zconfig(), platform="gpu", configurations=[("nvme", "nvme")])[0]
+    assert 4 * big.params <= big.breakdown["nvme.gradients"] < 4.1 * big.params  # 2 MiB shards: written out
+    # gradients leave host RAM as they are produced: one unit's at most (4 blocks + embedding here)
+    assert big.breakdown.get("host.grad_sink", 0) <= 4 * big.params / 4
 
 
 def test_linen_model():

@@ -403,3 +403,32 @@ def test_optax_rule_matches_optax_with_padded_chunks(tmp_path, layouts, name):
     atol = 2 * np.finfo(np.float32).eps * 1.5
     for q, ref in p.items():
         np.testing.assert_allclose(got[q], np.asarray(ref), rtol=RTOL, atol=atol, err_msg=q)
+
+
+def test_tier_grads_keep_small_shards_in_ram_and_write_large_ones(tmp_path):
+    # gradients leave host RAM as they are produced, except shards under IN_RAM_BELOW (a file per tiny chunk
+    # costs more than it saves); both kinds read back, sum repeats and give the same norm
+    from zinf_jax.optim.grads_out import IN_RAM_BELOW, TierGrads
+    from zinf_jax.tiers import NvmeTier
+
+    small, large = 1000, IN_RAM_BELOW // 4 + 8  # elements per shard
+    geo = {"s": (small, small, 1, 2), "l": (large, large // 2 + 1, 2, 2)}
+    tier = NvmeTier(tmp_path, update="scratch")
+    tg = TierGrads(tier, geo, {"s": [0, 1], "l": [0, 1]}, lambda p, i: True)
+    tg.declare()
+    rng = np.random.default_rng(0)
+    g = {(p, i): rng.standard_normal(geo[p][0]).astype(np.float32) for p in geo for i in (0, 1)}
+    for (p, i), x in g.items():
+        tg.add(p, i, x)
+    tg.add("s", 1, g[("s", 1)])  # a second contribution: summed
+    tg.add("l", 1, g[("l", 1)])
+    tg.wait()
+    assert tg.nbytes() == 2 * small * 4  # the small shards only
+    assert tier.bytes_written >= 2 * large * 4 + 2 * (large // 2 + 1) * 4  # the large ones (and a rewrite)
+    want = {k: (2 * x if k[1] == 1 else x) for k, x in g.items()}
+    for (p, i), x in want.items():
+        np.testing.assert_array_equal(tg.read(p, i)[:geo[p][0]], x)
+    assert tg.norm_sq() == pytest.approx(sum(float(np.sum(x.astype(np.float64) ** 2)) for x in want.values()))
+    tg.clear()
+    assert tg.nbytes() == 0 and not tg.has("s", 0)
+    tier.close()

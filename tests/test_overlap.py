@@ -20,9 +20,9 @@ def batches(n, start=0):
     return [batch_at(DATA, s, 8, CFG.seq) for s in range(start, start + n)]
 
 
-def engine(path, **kw):
+def engine(path, tier="nvme", **kw):
     path.mkdir(exist_ok=True)
-    off = zinf.Offload("nvme", path=str(path))
+    off = zinf.Offload(tier, path=str(path) if tier == "nvme" else None)
     config = zinf.ZeroConfig(offload_param=off, offload_optimizer=off, persistence_threshold=600, **kw)
     return zinf.initialize(ctor, config=config, optimizer=zinf.adamw(3e-3, weight_decay=0.1, clip_norm=1.0),
                            loss_fn=lm_loss)
@@ -55,7 +55,7 @@ def test_overlapped_steps_equal_sequential_bitwise_over_10_steps_on_nvme(tmp_pat
 
 
 def test_loop_body_sees_the_yielded_step_and_break_discards_the_drawn_batch(tmp_path):
-    seq, ovl = engine(tmp_path / "seq"), engine(tmp_path / "ovl")
+    seq, ovl = engine(tmp_path / "seq", "cpu"), engine(tmp_path / "ovl", "cpu")  # (the tier plays no part here)
     data = batches(8)
     for b in data[:4]:
         seq.train_step(b)

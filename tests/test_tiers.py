@@ -46,8 +46,8 @@ def test_roundtrip_bitwise(tier, dtype):
 
 def test_many_concurrent_ops_and_bound(tmp_path):
     for kind in KINDS:
-        shard = (64, 256)  # 64 KiB float32
-        nbytes = 64 * 256 * 4
+        shard = (256, 256)  # 256 KiB float32: at INLINE_BYTES, so memory tiers use their pool
+        nbytes = 256 * 256 * 4
         bound = 3 * nbytes
         t = _open(kind, tmp_path / kind, bound) if kind != "nvme" else None
         if t is None:
@@ -156,4 +156,25 @@ def test_memory_tiers_hold_one_copy_in_program_order(kind, tmp_path):
         assert [float(np.asarray(g.result())[-1]) for g in got] == [10 * step + i for i in range(4)]
         assert t.stored_bytes() == one
         t.commit({"step": step})
+    t.close()
+
+
+def test_small_memory_transfers_complete_in_the_caller():
+    # below INLINE_BYTES a put/get is done when it returns (no pool round trip); at it, it goes to the pool
+    from zinf_jax.tiers.memory import INLINE_BYTES
+
+    t = CpuTier(memory="numpy")
+    small = ShardSpec(shard_shape=(INLINE_BYTES // 8,), dtype="float32", num_shards=1)
+    big = ShardSpec(shard_shape=(INLINE_BYTES // 4,), dtype="float32", num_shards=1)
+    t.declare("s", small)
+    t.declare("b", big)
+    gate = threading.Event()
+    t._pool.submit(gate.wait)  # hold the pool's workers busy: a pooled transfer cannot finish yet
+    t._pool.submit(gate.wait)
+    assert t.put("s", 0, np.ones(small.shard_shape, np.float32)).done()
+    fut = t.put("b", 0, np.ones(big.shard_shape, np.float32))
+    assert not fut.done()
+    gate.set()
+    fut.result()
+    np.testing.assert_array_equal(t.get("s", 0).result(), 1.0)
     t.close()

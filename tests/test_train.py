@@ -161,3 +161,34 @@ def test_double_slot_equals_in_place_bitwise_and_resumes(tmp_path):
     got = flat_params(again.params())
     assert all(got[p].tobytes() == b_par[p].tobytes() for p in b_par)
     again.close()
+
+
+def test_without_activation_checkpointing_matches_jit_optax_and_fetches_once(tmp_path):
+    # ZeroConfig(activation_checkpointing=False): the forward keeps what the backward needs (never the
+    # gathered parameters): no recompute and no second fetch per step, same training as plain JAX
+    ref_losses, ref_params = reference_run(5)
+    eng = engine(tmp_path, activation_checkpointing=False)
+    losses = []
+    for b in batches(5):
+        before = eng.streamed.prefetcher.fetches
+        losses.append(eng.train_step(b)["loss"])
+        assert eng.streamed.prefetcher.fetches - before == len(eng.streamed.plan.calls)  # forward only
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    got = flat_params(eng.params())
+    for path, r in ref_params.items():
+        np.testing.assert_allclose(got[path], r, rtol=1e-5, atol=1e-6, err_msg=path)
+    eng.close()
+
+
+def test_param_loss_without_activation_checkpointing(tmp_path):
+    # the per-unit penalty's gradient flows through the kept forward exactly as through the recompute
+    l2 = lambda path, w: 1e-2 * jnp.sum(w ** 2) if path.endswith("kernel") else 0.0  # noqa: E731
+    runs = []
+    for ck in (True, False):
+        eng = zinf.initialize(ctor, config=config(tmp_path / str(ck), "none", "cpu", activation_checkpointing=ck),
+                              optimizer=zinf.adamw(LR, weight_decay=WD), loss_fn=lm_loss, param_loss=l2)
+        runs.append(([eng.train_step(b)["loss"] for b in batches(3)], eng.param_arrays()))
+        eng.close()
+    np.testing.assert_allclose(runs[0][0], runs[1][0], rtol=1e-6)
+    for k in runs[0][1]:
+        np.testing.assert_allclose(runs[0][1][k], runs[1][1][k], rtol=1e-5, atol=1e-7, err_msg=k)

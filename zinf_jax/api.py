@@ -127,6 +127,7 @@ class Engine:
             self.streamed = StreamedModel(
                 adapter, self.store, prefetch_depth=config.prefetch_depth, max_live_bytes=config.max_live_bytes,
                 offload_activations=config.offload_activations, track_live_arrays=track_live_arrays,
+                activation_checkpointing=config.activation_checkpointing,
                 param_loss=param_loss, trainable=self.trainable,
                 sink=GradSink(self.layouts, mesh, target=self.optimizer.grads), gate=self.gate,
             )

@@ -215,7 +215,13 @@ class ZeroConfig:
     sub_group_size: int = _field(1_000_000_000, _as_int, 1, ds="sub_group_size")
     """Elements per optimizer sub-group, the unit the streamed optimizer step reads, updates and writes."""
     offload_activations: bool = _field(False, _as_other, *_BOOL)
-    """Keep the activation checkpoints at unit boundaries in pinned host memory."""
+    """Keep the activation checkpoints at unit boundaries (or, without checkpointing, the saved
+    activations) in pinned host memory."""
+    activation_checkpointing: bool = _field(True, _as_other, *_BOOL)
+    """Keep only each unit's inputs and recompute its forward in the backward (least device memory).
+    ``False``: keep every activation the backward needs, as plain ``jax.grad`` and DeepSpeed without
+    activation checkpointing do (no recompute, no backward fetch: faster, more device memory); the
+    gathered parameters are still never kept."""
     max_in_flight_bytes: int = _field(1 << 30, _as_int, 1)
     """Bytes of tier reads and writes in flight at once (back-pressure bound)."""
     nvme_update: str = _field("in_place", _as_other, *_choices(("in_place", "double_slot")))

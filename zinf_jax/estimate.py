@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zinf_jax.optim.grads_out import IN_RAM_BELOW
 from zinf_jax.config import ZeroConfig
 from zinf_jax.engine.wrap import make_adapter, trainable_paths
 from zinf_jax.optim.subgroups import sub_groups
@@ -145,6 +146,8 @@ class _Digest:
     store_disk: int  # chunk files of one param slot
     store_disk_trained: int  # the part of ``store_disk`` that trained params take (fp32: the master replaces it)
     grad: int  # grad sink
+    grad_ram: int  # with gradients out: the small shards kept in host RAM (grads_out.IN_RAM_BELOW)
+    grad_disk: int  # with gradients out: the scratch tier's files (the other shards' chunks and key metadata)
     opt: int  # master + m + v
     opt_disk: int  # chunk files of one optimizer slot
     groups: int  # optimizer sub-groups (elements: max_chunk)
@@ -196,14 +199,16 @@ def _estimate(d: _Digest, config: ZeroConfig, pt: str, ot: str, platform: str) -
         return -(-spread // d.n_local) + tiers * (-(-d.store_sharded // d.n_idx) + d.store - d.store_sharded)
 
     buffers = min(config.offload_optimizer.buffer_count, d.groups) * (12 + 4 * grads_out) * d.max_chunk + d.assembly
+    if grads_out:  # the small shards stay in RAM as the backward produces them
+        host_fb = {**host_fb, "grad_sink": host_fb.get("grad_sink", 0) + d.grad_ram}
     host = max([{**host_fb, "param_tier": cpu_p, "optimizer_state": cpu_o},
-                {"grad_sink": 0 if grads_out else d.grad, "optimizer_buffers": buffers, "param_tier": cpu_p,
+                {"grad_sink": d.grad_ram if grads_out else d.grad, "optimizer_buffers": buffers, "param_tier": cpu_p,
                  "optimizer_state": cpu_o}],
                key=lambda x: sum(x.values()))
     param_disk = d.store_disk - (d.store_disk_trained if shared else 0)
     nvme = {"param_tier": slots * param_disk + d.param_meta if pt == "nvme" else 0,  # optimizer: 3 keys a param
             "optimizer_state": slots * d.opt_disk + 3 * d.param_meta if ot == "nvme" else 0,
-            "gradients": d.opt_disk // 3 + d.param_meta if grads_out else 0}
+            "gradients": d.grad_disk if grads_out else 0}
     breakdown = {f"{t}.{k}": int(v) for t, items in (("device", dev), ("host", host), ("nvme", nvme))
                  for k, v in items.items() if v}
     # transient host copies: nvme param reads before their device copy, tensorstore's copies of optimizer writes
@@ -265,6 +270,8 @@ def estimate_from_sizes(
         store=params * c // P, store_sharded=(params - glue_el) * c // P, store_disk=params * c // P,
         store_disk_trained=params * c // P,
         grad=params * 4 // P, opt=12 * params // P, opt_disk=12 * params // P,
+        grad_ram=params * 4 // P if shard * 4 < IN_RAM_BELOW else 0,
+        grad_disk=0 if shard * 4 < IN_RAM_BELOW else params * 4 // P + (12 * layers + 3 + untied) * _KEY_METADATA_BYTES,
         groups=max(1, (params // P) // max(chunk, 1)), max_chunk=chunk, assembly=4 * shard if shard > chunk else 0,
         param_meta=(12 * layers + 3 + untied) * _KEY_METADATA_BYTES, workspace=int(workspace))
     return [_estimate(d, config, pt, ot, platform) for pt, ot in configurations]
@@ -370,6 +377,9 @@ def estimate_from_model(
         store_disk=sum(_padded(layouts[p].shard_shape, item[p]) * shards[p] for p in layouts),
         store_disk_trained=sum(_padded(layouts[p].shard_shape, item[p]) * shards[p] for p in trained),
         grad=sum(4 * local[p] for p in trained), opt=sum(12 * n_chunks[p] * chunk[p] * shards[p] for p in trained),
+        grad_ram=sum(4 * n_chunks[p] * chunk[p] * shards[p] for p in trained if 4 * numel[p] < IN_RAM_BELOW),
+        grad_disk=sum(n_chunks[p] * shards[p] * _padded((chunk[p],), 4) + _KEY_METADATA_BYTES + len(p) + 3 * shards[p]
+                      for p in trained if 4 * numel[p] >= IN_RAM_BELOW),
         opt_disk=sum(3 * n_chunks[p] * shards[p] * _padded((chunk[p],), 4) for p in trained),
         groups=sum(n_chunks[p] * shards[p] for p in trained), max_chunk=max((chunk[p] for p in trained), default=1),
         assembly=4 * max((numel[p] for p in trained if n_chunks[p] > 1), default=0),

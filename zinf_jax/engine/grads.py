@@ -81,7 +81,9 @@ class GradSink:
         return iter(list(self._acc.items()))
 
     def nbytes(self) -> int:
-        """Host bytes held."""
+        """Host bytes held (by the target, with one)."""
+        if self.target is not None:
+            return self.target.nbytes()
         return sum(a.nbytes for a in self._acc.values())
 
     def clear(self) -> None:

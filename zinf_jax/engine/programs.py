@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jax.ad_checkpoint import checkpoint_name
+
 from zinf_jax.engine.adapters import EngineError
 from zinf_jax.sharding import ParamLayout, from_stored
 
@@ -32,6 +34,9 @@ UnitFn = Callable[[list[jax.Array], list[Any]], Any]
 
 Penalty = Callable[[list[jax.Array]], jax.Array]
 """``(float32 params of a unit) -> scalar``: a parameter-dependent loss term of one unit."""
+
+GATHERED = "zinf_gathered_param"
+"""Name of a gathered parameter inside a unit program: never kept as an activation (see :meth:`UnitPrograms.forward_saving`)."""
 
 
 def split_diff(leaves: Sequence[Any]) -> list[int]:
@@ -103,7 +108,7 @@ class UnitPrograms:
         for lay, p in zip(layouts, stored):
             if jnp.issubdtype(p.dtype, jnp.floating):
                 p = p.astype(self.compute_dtype)
-            out.append(from_stored(lay, jax.lax.with_sharding_constraint(p, rep)))
+            out.append(checkpoint_name(from_stored(lay, jax.lax.with_sharding_constraint(p, rep)), GATHERED))
         return out
 
     def _full32(self, layouts: Sequence[ParamLayout], stored: Sequence[jax.Array]) -> list[jax.Array]:
@@ -126,6 +131,62 @@ class UnitPrograms:
             prog = self._fwd[key] = jax.jit(run)
         return prog
 
+    def forward_saving(self, key: Hashable, layouts: Sequence[ParamLayout], fn: UnitFn,
+                       penalty: Penalty | None = None, trainable: Sequence[bool] | None = None) -> Callable:
+        """``(stored, dyn) -> (out, penalty, saved)``: a forward that keeps what its backward needs.
+
+        ``saved`` holds every activation of the unit's vjp except the gathered
+        parameters (recomputed from the shards it also holds, by all-gather in
+        :meth:`backward_saved`): no forward recompute, no second fetch.
+        ``penalty`` is 0 without one.
+        """
+        trainable = tuple(True for _ in layouts) if trainable is None else tuple(trainable)
+        key = (key, "saving", penalty is not None, trainable)
+        prog = self._fwd.get(key)
+        if prog is None:
+            layouts = tuple(layouts)
+
+            def run(stored, dyn):
+                diff, p32, wrt, with_params = _wrt(stored, dyn, trainable)
+
+                def f(ps, dleaves):
+                    full = with_params(ps)
+                    out = fn(self._gather(layouts, full), _with_diff(dyn, diff, dleaves))
+                    return out, (penalty(self._full32(layouts, full)) if penalty is not None else jnp.float32(0))
+
+                f = jax.checkpoint(f, policy=jax.checkpoint_policies.save_anything_except_these_names(GATHERED))
+                (out, pen), vjp = jax.vjp(f, [p32[i] for i in wrt], [dyn[i] for i in diff])
+                return out, pen, vjp
+
+            prog = self._fwd[key] = jax.jit(run)
+        return prog
+
+    def backward_saved(self, key: Hashable, layouts: Sequence[ParamLayout], out_spec: Any,
+                       trainable: Sequence[bool] | None = None) -> Callable:
+        """``(saved, g, scale) -> (param_grads_f32, diff_input_grads)`` after :meth:`forward_saving`.
+
+        ``out_spec``: the forward output's structure and, per leaf, its shape
+        and whether it is inexact (``g`` holds cotangents of those only).
+        """
+        trainable = tuple(True for _ in layouts) if trainable is None else tuple(trainable)
+        key = (key, "saved", out_spec, trainable)
+        prog = self._bwd.get(key)
+        if prog is None:
+            shardings = [NamedSharding(self.mesh, lay.spec) for lay in layouts]
+            tree, leaves = out_spec
+
+            wrt = [i for i, (lay, t) in enumerate(zip(layouts, trainable))
+                   if t and jnp.issubdtype(jnp.dtype(lay.dtype), jnp.floating)]
+
+            def run(vjp, g, scale):
+                it = iter(g)
+                cts = [next(it) if inexact else np.zeros(shape, jax.dtypes.float0) for shape, inexact in leaves]
+                gw, gd = vjp((jax.tree.unflatten(tree, cts), jnp.asarray(scale, jnp.float32)))
+                return _reduce_scattered(len(layouts), wrt, gw, shardings), gd
+
+            prog = self._bwd[key] = jax.jit(run)
+        return prog
+
     def backward(self, key: Hashable, layouts: Sequence[ParamLayout], fn: UnitFn,
                  penalty: Penalty | None = None, trainable: Sequence[bool] | None = None) -> Callable:
         """``(stored, dyn, g, scale) -> (param_grads_f32, diff_input_grads)``, jitted once per key.
@@ -144,22 +205,10 @@ class UnitPrograms:
             shardings = [NamedSharding(self.mesh, lay.spec) for lay in layouts]
 
             def run(stored, dyn, g, scale):
-                diff = split_diff(dyn)
-                floating = [jnp.issubdtype(p.dtype, jnp.floating) for p in stored]
-                p32 = [p.astype(jnp.float32) if f else p for p, f in zip(stored, floating)]
-                wrt = [i for i, (fl, t) in enumerate(zip(floating, trainable)) if fl and t]
-
-                def with_params(ps):
-                    full = list(p32)
-                    for i, x in zip(wrt, ps):
-                        full[i] = x
-                    return full
+                diff, p32, wrt, with_params = _wrt(stored, dyn, trainable)
 
                 def f(ps, dleaves):
-                    ls = list(dyn)
-                    for i, d in zip(diff, dleaves):
-                        ls[i] = d
-                    return fn(self._gather(layouts, with_params(ps)), ls)
+                    return fn(self._gather(layouts, with_params(ps)), _with_diff(dyn, diff, dleaves))
 
                 out, vjp = jax.vjp(f, [p32[i] for i in wrt], [dyn[i] for i in diff])
                 outs, tree = jax.tree.flatten(out)
@@ -170,10 +219,38 @@ class UnitPrograms:
                 if penalty is not None:
                     gpen = jax.grad(lambda ps: penalty(self._full32(layouts, with_params(ps))))([p32[i] for i in wrt])
                     gw = [a + b * scale for a, b in zip(gw, gpen)]
-                gp: list[Any] = [None] * len(layouts)
-                for i, x in zip(wrt, gw):
-                    gp[i] = jax.lax.with_sharding_constraint(x.astype(jnp.float32), shardings[i])
-                return gp, gd
+                return _reduce_scattered(len(layouts), wrt, gw, shardings), gd
 
             prog = self._bwd[key] = jax.jit(run)
         return prog
+
+
+def _wrt(stored: Sequence[jax.Array], dyn: Sequence[Any], trainable: Sequence[bool]) -> tuple:
+    """``(diff, p32, wrt, with_params)``: differentiable input leaves, float32 params, the params
+    differentiated (floating and trainable), and a function putting their values back among the rest."""
+    floating = [jnp.issubdtype(p.dtype, jnp.floating) for p in stored]
+    p32 = [p.astype(jnp.float32) if f else p for p, f in zip(stored, floating)]
+    wrt = [i for i, (fl, t) in enumerate(zip(floating, trainable)) if fl and t]
+
+    def with_params(ps: Sequence[jax.Array]) -> list[jax.Array]:
+        full = list(p32)
+        for i, x in zip(wrt, ps):
+            full[i] = x
+        return full
+
+    return split_diff(dyn), p32, wrt, with_params
+
+
+def _with_diff(dyn: Sequence[Any], diff: Sequence[int], dleaves: Sequence[Any]) -> list[Any]:
+    leaves = list(dyn)
+    for i, d in zip(diff, dleaves):
+        leaves[i] = d
+    return leaves
+
+
+def _reduce_scattered(n: int, wrt: Sequence[int], grads: Sequence[jax.Array], shardings: Sequence[Any]) -> list[Any]:
+    """float32 parameter gradients constrained to their stored sharding (XLA: a reduce-scatter); None elsewhere."""
+    out: list[Any] = [None] * n
+    for i, x in zip(wrt, grads):
+        out[i] = jax.lax.with_sharding_constraint(x.astype(jnp.float32), shardings[i])
+    return out

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import math
 from typing import Any, Callable, Collection, Sequence
 
 import jax
@@ -40,7 +41,7 @@ from zinf_jax.engine.grads import GradSink
 from zinf_jax.engine.hostmem import release_free_memory
 from zinf_jax.engine.overlap import WriteGate
 from zinf_jax.engine.prefetch import Prefetcher
-from zinf_jax.engine.programs import Penalty, UnitPrograms, join_inputs, split_diff, split_inputs
+from zinf_jax.engine.programs import Penalty, UnitPrograms, join_inputs, split_inputs
 from zinf_jax.engine.store import ParamStore
 from zinf_jax.units import Plan
 
@@ -100,10 +101,15 @@ def _one_program_at_a_time(mesh: Any) -> bool:
 
 
 def _nbytes_on_devices(tree: Any) -> int:
+    """Bytes of ``tree``'s arrays in this process's device memory (every local copy counted)."""
     total = 0
     for x in jax.tree.leaves(tree):
         if isinstance(x, jax.Array) and x.sharding.memory_kind in (None, "device"):
-            total += sum(s.data.nbytes for s in x.addressable_shards)
+            if jnp.issubdtype(x.dtype, jax.dtypes.extended):  # typed PRNG keys: ask the shards
+                total += sum(s.data.nbytes for s in x.addressable_shards)
+            else:  # without building a shard object per device
+                shard = math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+                total += shard * len(x.sharding.addressable_devices)
     return total
 
 
@@ -133,6 +139,9 @@ class StreamedModel:
       prefetch_depth: units kept in flight ahead of use.
       max_live_bytes: bound on parameter bytes held on device (``None``: none).
       offload_activations: keep unit-boundary checkpoints in pinned host memory.
+      activation_checkpointing: keep only unit inputs and recompute in the
+        backward (``False``: keep what the backward needs; no recompute, no
+        backward fetch).
       track_live_arrays: also record ``jax.live_arrays()`` bytes at every unit
         call (slow; for tests and benchmarks).
       param_loss: a per-parameter loss term added to the training loss, applied
@@ -152,6 +161,7 @@ class StreamedModel:
         prefetch_depth: int = 2,
         max_live_bytes: int | None = None,
         offload_activations: bool = False,
+        activation_checkpointing: bool = True,
         track_live_arrays: bool = False,
         param_loss: ParamLoss | None = None,
         trainable: Collection[str] | None = None,
@@ -179,6 +189,7 @@ class StreamedModel:
             max_live_bytes,
         )
         self.offload_activations = offload_activations
+        self.activation_checkpointing = activation_checkpointing
         self.track_live_arrays = track_live_arrays
         self.param_loss = param_loss
         self._penalties: list[Penalty | None] = [self._unit_penalty(u) for u in self.units]
@@ -307,7 +318,7 @@ class StreamedModel:
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((batch, list(glue)))):
             raise EngineError(JIT_MESSAGE)
         traced = self._traced(loss_fn, batch, glue, p.train)
-        self.prefetcher.start(traced.plan.schedule(p.phase is Phase.TRAIN))
+        self.prefetcher.start(traced.plan.schedule(p.phase is Phase.TRAIN and self.activation_checkpointing))
         p.state_bytes = _nbytes_on_devices(self.state)
         self._pass = p
         return p, traced
@@ -365,18 +376,27 @@ class StreamedModel:
             penalty = self._penalties[uid]
         stored = self.prefetcher.take((uid, method))
         fn = self._unit_fn(uid, method, sig, p.train)
-        prog = self.programs.forward(self._key(uid, method, sig, p.train), self._layouts[uid], fn, penalty)
+        key, lays = self._key(uid, method, sig, p.train), self._layouts[uid]
+        keep_all = save and not self.activation_checkpointing
+        if keep_all:
+            prog = self.programs.forward_saving(key, lays, fn, penalty, self._trainable[uid])
+        else:
+            prog = self.programs.forward(key, lays, fn, penalty)
         self._account(uid)
         with TraceAnnotation("zinf/unit_forward", unit=self.units[uid].path):
             out = prog(stored, dyn)
-        if penalty is not None:
+        if keep_all:
+            out, value, kept = out
+        elif penalty is not None:
             out, value = out
+        if penalty is not None:
             p.penalty = p.penalty + value
         if self._sync_units:
             jax.block_until_ready(out)
-        if save:
-            parked = self._park(dyn)
-            p.saved.append((uid, method, parked, penalty, _nbytes_on_devices(parked)))
+        if save:  # the unit's inputs (checkpointing), or everything its backward needs
+            parked = self._park(kept if keep_all else dyn)
+            extra = (_out_spec(out), [(jnp.shape(x), jax.typeof(x).dtype) for x in dyn]) if keep_all else penalty
+            p.saved.append((uid, method, parked, extra, _nbytes_on_devices(parked)))
             p.saved_bytes += p.saved[-1][-1]
         del stored
         self.prefetcher.release()
@@ -384,30 +404,40 @@ class StreamedModel:
         return out
 
     def _backward(self, p: _Pass, uid: int, method: str, sig: tuple, g: Any) -> Any:
-        suid, smethod, parked, penalty, nbytes = p.saved.pop()
+        suid, smethod, parked, extra, nbytes = p.saved.pop()
         p.saved_bytes -= nbytes
         if (suid, smethod) != (uid, method):
             raise EngineError(f"backward order mismatch: expected {self.units[suid].path}.{smethod}, got {self.units[uid].path}.{method}")
-        dyn = self._unpark(parked)
-        stored = self.prefetcher.take((uid, method))
-        fn = self._unit_fn(uid, method, sig, p.train)
-        prog = self.programs.backward(self._key(uid, method, sig, p.train), self._layouts[uid], fn, penalty,
-                                      self._trainable[uid])
-        self._account(uid)
         g = [x for x in jax.tree.leaves(g) if x.dtype != jax.dtypes.float0]
+        key, lays = self._key(uid, method, sig, p.train), self._layouts[uid]
+        if self.activation_checkpointing:  # recompute from the inputs, with the unit fetched again
+            dyn = self._unpark(parked)
+            inputs = [(jnp.shape(x), jax.typeof(x).dtype) for x in dyn]
+            stored = self.prefetcher.take((uid, method))
+            prog = self.programs.backward(key, lays, self._unit_fn(uid, method, sig, p.train), extra,
+                                          self._trainable[uid])
+            args = (stored, dyn)
+        else:  # the forward kept everything (the shards to re-gather included): no fetch
+            (out_spec, inputs), stored = extra, None
+            prog = self.programs.backward_saved(key, lays, out_spec, self._trainable[uid])
+            args = (self._unpark(parked),)
+        del parked
+        self._account(uid)
         with TraceAnnotation("zinf/unit_backward", unit=self.units[uid].path):
-            gp, gd = prog(stored, dyn, g, np.float32(p.loss_scale))
+            gp, gd = prog(*args, g, np.float32(p.loss_scale))
+        del args
         if self._sync_units:
             jax.block_until_ready((gp, gd))
-        del stored
-        self.prefetcher.release()
+        if stored is not None:
+            del stored
+            self.prefetcher.release()
         kept = [(path, x) for path, x in zip(self.units[uid].param_paths, gp) if x is not None]
         with TraceAnnotation("zinf/grads_out", unit=self.units[uid].path):
             self.sink.add_many([k for k, _ in kept], [x for _, x in kept])
         del gp, kept
         self._release_host(uid)
-        out = [np.zeros(np.shape(x), jax.dtypes.float0) for x in dyn]
-        for i, d in zip(split_diff(dyn), gd):
+        out = [np.zeros(shape, jax.dtypes.float0) for shape, _ in inputs]
+        for i, d in zip([i for i, (_, dt) in enumerate(inputs) if jnp.issubdtype(dt, jnp.inexact)], gd):
             out[i] = d
         return out
 
@@ -458,5 +488,7 @@ class StreamedModel:
         self.peak_live_array_bytes = 0
 
 
-def _zeros_like(s: Any) -> Any:
-    return jnp.zeros(s.shape, s.dtype)
+def _out_spec(out: Any) -> tuple[Any, tuple[tuple[tuple[int, ...], bool], ...]]:
+    """A unit output's structure and, per leaf, its shape and whether it is inexact (has a cotangent)."""
+    leaves, tree = jax.tree.flatten(out)
+    return tree, tuple((tuple(jnp.shape(x)), bool(jnp.issubdtype(jax.typeof(x).dtype, jnp.inexact))) for x in leaves)

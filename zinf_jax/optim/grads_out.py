@@ -13,6 +13,10 @@ process does not own), and :meth:`TierGrads.norm_sq` sums them with
 ``math.fsum``, which is correctly rounded and so independent of order: the
 same value as a norm pass over gradients held in RAM, bitwise.
 
+Shards smaller than :data:`IN_RAM_BELOW` stay in host RAM (a file per tiny
+chunk cost more than the whole update; their total is bounded by the small
+parameters: norms, biases, a small model's blocks).
+
 A shard that receives a second contribution in the same step (a tied
 embedding used by two units, the next micro-batch under gradient accumulation)
 is read back, summed and rewritten. The optimizer reads ``grad/<path>`` next
@@ -30,12 +34,15 @@ from typing import Callable, Mapping
 import numpy as np
 
 from zinf_jax.optim.kernel import all_finite, sum_squares
-from zinf_jax.tiers.base import ShardSpec, Tier
+from zinf_jax.tiers.base import ShardSpec, Tier, done_future
 
 __all__ = ["TierGrads", "GRAD"]
 
 GRAD = "grad"
 """Key prefix of gradient chunks in the tier."""
+
+IN_RAM_BELOW = 1 << 20
+"""Gradient shards of fewer bytes (float32) are kept in host RAM instead of the tier."""
 
 
 class TierGrads:
@@ -52,6 +59,7 @@ class TierGrads:
                  local: Mapping[str, list[int]], owner: Callable[[str, int], bool]):
         self.tier, self._geo, self._local, self._owner = tier, dict(geometry), dict(local), owner
         self._sums: dict[tuple[str, int], list[float]] = {}
+        self._ram: dict[tuple[str, int], np.ndarray] = {}  # small shards, padded to whole chunks
         self._pending: list[Future] = []
         self._lock = threading.Lock()
         self.seconds = 0.0
@@ -76,6 +84,10 @@ class TierGrads:
             again = key in self._sums
         if again:  # a second contribution this step: read back, sum, rewrite
             flat = self.read(path, index)[:numel] + flat
+        in_ram = numel * 4 < IN_RAM_BELOW
+        if in_ram:
+            padded = np.zeros(n * chunk, np.float32)
+            padded[:numel] = flat
         own = self._owner(path, index)
         sums, futs = [], []
         for c in range(n):
@@ -84,10 +96,14 @@ class TierGrads:
                 sums.append(sum_squares(part))
             elif not all_finite(part):
                 sums.append(math.inf)  # a NaN in a replica makes every process skip
+            if in_ram:
+                continue
             if part.shape[0] < chunk:  # the last chunk is zero-padded in the tier
                 part = np.concatenate([part, np.zeros(chunk - part.shape[0], np.float32)])
             futs.append(self.tier.put(f"{GRAD}/{path}", index * n + c, part))
         with self._lock:
+            if in_ram:
+                self._ram[key] = padded
             self._sums[key] = sums
             self._pending = [f for f in self._pending if not f.done()] + futs
             self.seconds += time.perf_counter() - t0
@@ -96,6 +112,11 @@ class TierGrads:
         """Whether shard ``index`` of ``path`` received a gradient this step."""
         return (path, index) in self._sums
 
+    def nbytes(self) -> int:
+        """Host bytes held: the small shards kept in RAM."""
+        with self._lock:
+            return sum(a.nbytes for a in self._ram.values())
+
     def norm_sq(self) -> float:
         """This process's share of the squared global norm (``inf``/``nan``: non-finite)."""
         with self._lock:
@@ -103,7 +124,11 @@ class TierGrads:
 
     def read_chunk(self, path: str, index: int, chunk: int, out: np.ndarray) -> Future:
         """Reads chunk ``chunk`` of shard ``index`` into ``out`` (``chunk`` float32 elements)."""
-        n = self._geo[path][2]
+        _, size, n, _ = self._geo[path]
+        held = self._ram.get((path, index))
+        if held is not None:
+            out[...] = held[chunk * size:(chunk + 1) * size]
+            return done_future(out)
         return self.tier.get(f"{GRAD}/{path}", index * n + chunk, out=out)
 
     def read(self, path: str, index: int) -> np.ndarray:
@@ -128,4 +153,5 @@ class TierGrads:
         finally:
             with self._lock:
                 self._sums.clear()
+                self._ram.clear()
             self.tier.commit()  # a scratch tier publishes nothing: this only ends its generation

@@ -23,6 +23,10 @@ from zinf_jax.tiers.base import ByteBudget, ShardSpec, TierError, done_future, n
 __all__ = ["DeviceTier", "CpuTier"]
 
 
+INLINE_BYTES = 1 << 18
+"""Transfers smaller than this run in the caller's thread (a completed future), not on the pool."""
+
+
 def _nbytes(value: Any) -> int:
     return int(np.prod(value.shape, dtype=np.int64)) * np.dtype(value.dtype).itemsize
 
@@ -66,6 +70,13 @@ class _MemoryTier:
 
     # --- I/O ----------------------------------------------------------------
     def _submit(self, nbytes: int, fn: Callable[[], Any]) -> Future:
+        if nbytes < INLINE_BYTES:  # a pool round trip costs more than the copy
+            fut: Future = Future()
+            try:
+                fut.set_result(fn())
+            except Exception as e:  # noqa: BLE001 - delivered through the future, as from the pool
+                fut.set_exception(e)
+            return fut
         self.budget.acquire(nbytes)
 
         def run():
