@@ -162,7 +162,7 @@ def main() -> None:
                   "vocab": cfg.vocab, "batch": args.batch, "params": n_params},
         "activation_checkpointing": not args.keep_activations, "persistence_threshold": args.threshold,
         "devices": len(jax.devices()), "jax": jax.__version__, "python": platform.python_version(),
-        "commit": _commit(),
+        "commit": _commit(), "zinf_jax": str(Path(zinf.__file__).parent),
         "times_s": times, "median_s": med, "ratio_median_of_per_rep": ratios,
         "tokens_per_s_median": {k: args.batch * args.seq / v for k, v in med.items()},
         "max_abs_loss_diff_vs_plain": {k: max(abs(a - b) for a, b in zip(v, losses["plain"]))

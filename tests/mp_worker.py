@@ -1,4 +1,5 @@
-"""One process of a 2-process jax.distributed job on CPU (4 devices each): trains a few zinf steps.
+"""One process of a 2-process jax.distributed job on CPU (4 devices each): trains a few zinf steps
+(the first half with ``train_step``, the rest with ``train_steps``).
 
 Usage: python mp_worker.py PROCESS_ID NUM_PROCESSES PORT WORKDIR STEPS
 Prints one JSON line: {"process": i, "losses": [...], "files": [...]}.
@@ -25,11 +26,15 @@ eng = zinf.initialize(lambda: GPT(cfg, rngs=nnx.Rngs(0)), loss_fn=lm_loss,
                       config=zinf.ZeroConfig(offload_param=off, offload_optimizer=off, persistence_threshold=600),
                       optimizer=zinf.adamw(3e-3, weight_decay=0.1, clip_norm=1.0))
 data = corpus()
-losses = []
-for s in range(steps):
-    full = batch_at(data, s, 8, cfg.seq)
-    local = full[pid * 4:(pid + 1) * 4]  # each process feeds its half of the global batch
-    losses.append(eng.train_step(local)["loss"])
+
+
+def local(s):
+    return batch_at(data, s, 8, cfg.seq)[pid * 4:(pid + 1) * 4]  # each process feeds its half of the global batch
+
+
+half = steps // 2  # then the same steps with the optimizer overlapped with the next forward: the same numbers
+losses = [eng.train_step(local(s))["loss"] for s in range(half)]
+losses += [m["loss"] for m in eng.train_steps(local(s) for s in range(half, steps))]
 eng.close()
 files = sorted(os.path.relpath(os.path.join(r, f), workdir) for r, _, fs in os.walk(workdir) for f in fs
                if f == "MANIFEST.json")

@@ -93,7 +93,7 @@ def _linen_matches_value_and_grad(net, x, y, loss, tier, tmp_path, **adapter_kw)
     return sm
 
 
-@pytest.mark.parametrize("tier", ["device", "cpu", "nvme"])
+@pytest.mark.parametrize("tier", ["device", pytest.param("cpu", marks=pytest.mark.slow), "nvme"])  # (suite time)
 def test_linen_convnet_matches(tier, tmp_path):
     x = jax.random.normal(jax.random.key(1), (8, 6, 6, 3))
     y = jax.random.normal(jax.random.key(2), (8, 3))

@@ -63,6 +63,39 @@ def test_compilations_constant_in_depth(no_persistent_cache):
     assert c4 > 0 and c4 == c16, (c4, c16)
 
 
+def _eager_dispatches(n_layers, monkeypatch):
+    """Ops dispatched one by one (``apply_primitive``) in one warm forward/backward, and the glue segments."""
+    from jax._src import dispatch
+
+    cfg, ctor = _ctor(n_layers)
+    sm = build(nnx_adapter(ctor, THRESHOLD), "device", threshold=THRESHOLD, init="random")
+    glue = sm.store.fetch(sm.adapter.glue_paths)
+    batch = _batch(cfg, sm.mesh)
+    sm.forward_backward(lm_loss, batch, glue, has_aux=False)  # trace + compile
+    count = [0]
+    real = dispatch.apply_primitive
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return real(*args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(dispatch, "apply_primitive", counted)
+        sm.forward_backward(lm_loss, batch, glue, has_aux=False)
+    segments = next(iter(sm._traces.values())).program.segments
+    return count[0], segments, len(sm.plan.calls)
+
+
+def test_glue_runs_compiled_not_op_by_op(monkeypatch):
+    # the embedding add, layer norms and the loss run as jitted segments between unit calls: the ops
+    # dispatched one by one are a few per pass (the backward's seed) and at most 2 per unit call (JAX
+    # summing the cotangents of the unit rules' anchor); eager glue was ~10 per layer
+    e2, s2, c2 = _eager_dispatches(2, monkeypatch)
+    e6, s6, c6 = _eager_dispatches(6, monkeypatch)
+    assert c6 == c2 + 4 and e2 <= 8 and e6 - e2 <= 2 * (c6 - c2), (e2, e6)
+    assert s2 == s6 <= 5  # segments: one per stretch of glue, not per op or per layer
+
+
 @pytest.mark.slow  # ~16 s: two models built and stepped; the default suite keeps the compile-count check
 def test_peak_device_memory_flat_in_depth():
     peaks, live, model_bytes = {}, {}, {}

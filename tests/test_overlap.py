@@ -8,7 +8,7 @@ import zinf_jax as zinf
 from zinf_jax.engine.adapters import EngineError
 from zinf_jax.models import GPT, GPTConfig, batch_at, corpus, lm_loss
 
-CFG = GPTConfig(vocab=256, d_model=32, n_heads=4, n_layers=3, seq=16, dropout=0.1)  # dropout: RNG state moves
+CFG = GPTConfig(vocab=256, d_model=32, n_heads=4, n_layers=2, seq=16, dropout=0.1)  # dropout: RNG state moves
 DATA = corpus()
 
 

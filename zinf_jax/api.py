@@ -37,6 +37,7 @@ from zinf_jax.engine.store import ParamStore, local_indices_of
 from zinf_jax.engine.streamed import JIT_MESSAGE, EngineError, ParamLoss, StreamedModel
 from zinf_jax.engine.wrap import make_adapter, trainable_paths
 from zinf_jax.optim import StreamedOptimizer
+from zinf_jax.optim.driver import NORM_DONE
 from zinf_jax.optim.choose import choose_optimizer, loss_scaling, with_clipping
 from zinf_jax.sharding import ParamLayout, from_stored, make_mesh, plan_partition, split_local
 from zinf_jax.tiers import open_tier
@@ -236,7 +237,7 @@ class Engine:
             self._usable("train_steps", batch)
             grads = self._forward_backward(batch)
             while True:
-                self.gate.arm(self.optimizer.layouts)
+                self.gate.arm([NORM_DONE, *self.optimizer.layouts])
                 step = self._worker().submit(self._update, grads, clear=False)
                 try:
                     batch = next(it, _END)
@@ -281,7 +282,8 @@ class Engine:
         waits = self.streamed.prefetcher.wait_s, self._grads_out_s()
         k = self.config.gradient_accumulation_steps
         parts = micro_batches(batch, k)  # before any state changes: a batch that does not split is refused
-        self.gate.wait(self.adapter.glue_paths)
+        # an optimizer step in flight: its norm all-reduce (a collective, across processes) goes first
+        self.gate.wait([NORM_DONE, *self.adapter.glue_paths])
         glue = self.store.fetch(self.adapter.glue_paths)
         losses, auxes = [], []
         try:

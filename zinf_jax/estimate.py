@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import flax.linen as nn
@@ -245,6 +246,7 @@ def estimate_from_sizes(
       ValueError: sizes that do not make a model.
     """
     config = config or ZeroConfig()
+    _warn_unmodelled(config)
     platform = (platform or jax.default_backend()).lower()
     cd = config.resolved_compute_dtype(platform)
     c, h, n_local, P = jnp.dtype(cd).itemsize, hidden, n_devices // n_processes, n_processes
@@ -275,6 +277,13 @@ def estimate_from_sizes(
         groups=max(1, (params // P) // max(chunk, 1)), max_chunk=chunk, assembly=4 * shard if shard > chunk else 0,
         param_meta=(12 * layers + 3 + untied) * _KEY_METADATA_BYTES, workspace=int(workspace))
     return [_estimate(d, config, pt, ot, platform) for pt, ot in configurations]
+
+
+def _warn_unmodelled(config: ZeroConfig) -> None:
+    if not config.activation_checkpointing:
+        warnings.warn("zinf_jax estimate: device activations are modelled with activation checkpointing (unit "
+                      "inputs only); with activation_checkpointing=False every activation a unit's backward needs "
+                      "is kept, so device bytes are underestimated", UserWarning, stacklevel=3)
 
 
 def _nbytes(tree: Any) -> int:
@@ -338,6 +347,7 @@ def estimate_from_model(
       ValueError: no batch given.
     """
     config, mesh, policy = config or ZeroConfig(), mesh or make_mesh(), unit_policy or UnitPolicy()
+    _warn_unmodelled(config)
     linen = isinstance(model, nn.Module)
     adapter = make_adapter(model, policy=policy, threshold=config.persistence_threshold, seed=config.seed,
                            init_args=init_args, init_kwargs=init_kwargs)

@@ -11,8 +11,12 @@ reverse call order on concrete arrays, so the rules may do I/O:
   program, hand the reduce-scattered float32 parameter gradients to the
   :class:`~zinf_jax.engine.grads.GradSink`, return the input cotangent.
 
-Glue code between units (residual adds, small persistent layers, the loss) runs
-eagerly as the user wrote it; its gradients come from the same ``jax.vjp``.
+Glue code between units (residual adds, small persistent layers, the loss) is
+traced once per input signature and runs as compiled segments between the unit
+calls (:mod:`zinf_jax.engine.glue`); its gradients come from the same
+``jax.vjp``. With ``activation_checkpointing=False`` the forward keeps what each
+unit's backward needs instead of its inputs, and the backward neither
+recomputes nor fetches.
 
 A unit call arrives as ``hook(uid, method, inputs)`` from the adapter's wrapped
 model (the hook is passed to :meth:`Adapter.run` for one pass, never installed

@@ -354,6 +354,8 @@ class StreamedOptimizer:
           on_written: ``on_written(path)``, called (on this thread) once every
             local shard of ``path`` is updated and its writes (state and
             ``write_param``) have resolved; not called for a skipped step.
+            Called with :data:`NORM_DONE` once the global norm (and its
+            cross-process all-reduce) is done.
 
         Returns:
           ``{"grad_norm", "skipped", "loss_scale", "step", "lr"}``: the unscaled
@@ -369,6 +371,8 @@ class StreamedOptimizer:
             self._fill(pipe, 0)
             with TraceAnnotation("zinf/optimizer_norm"):
                 norm_sq = self._norm_sq(grad)
+            if on_written is not None:
+                on_written(NORM_DONE)
             gs = grad_scale(norm_sq, loss_scale=self._scaler.scale, clip_norm=self.rule.clip_norm)
             stats = {"norm_s": time.perf_counter() - t0}
             lr = self.rule.lr_at(self._count)
@@ -453,6 +457,9 @@ class StreamedOptimizer:
         return {"read_wait_s": t_read, "write_wait_s": pipe.t_write, "adam_s": t_adam,
                 "write_param_s": t_param, "sub_groups": len(self._groups)}
 
+
+NORM_DONE = ""
+"""What ``on_written`` receives when the step's global norm is known (its collectives are over)."""
 
 StreamedAdam = StreamedOptimizer
 """The former name (Adam was the only rule)."""
