@@ -11,12 +11,8 @@ the tiers (atomically, or in place with a half-updated mark; see
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import math
 import os
-import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
@@ -24,20 +20,19 @@ import flax.linen as nn
 import jax
 from flax import nnx
 import numpy as np
-from jax.profiler import TraceAnnotation
 from jax.sharding import Mesh
 
 from zinf_jax.config import ZeroConfig
-from zinf_jax.engine.batching import micro_batches, shard_batch
+from zinf_jax.engine.batching import shard_batch
 from zinf_jax.engine.init import init_unit_by_unit
 from zinf_jax.engine.overlap import WriteGate
+from zinf_jax.engine.stepping import Stepper
 from zinf_jax.engine.pretrained import Pretrained
 from zinf_jax.engine.grads import GradSink
 from zinf_jax.engine.store import ParamStore, local_indices_of
 from zinf_jax.engine.streamed import JIT_MESSAGE, EngineError, ParamLoss, StreamedModel
 from zinf_jax.engine.wrap import make_adapter, trainable_paths
 from zinf_jax.optim import StreamedOptimizer
-from zinf_jax.optim.driver import NORM_DONE
 from zinf_jax.optim.choose import choose_optimizer, loss_scaling, with_clipping
 from zinf_jax.sharding import ParamLayout, from_stored, make_mesh, plan_partition, split_local
 from zinf_jax.tiers import open_tier
@@ -52,23 +47,6 @@ def _allreduce(x: float) -> float:
     from jax.experimental import multihost_utils
 
     return float(np.sum(multihost_utils.process_allgather(np.float64(x))))
-
-
-_END = object()
-
-
-@dataclasses.dataclass
-class _Grads:
-    """A step's forward/backward done, its gradients in the sink: what the optimizer step needs to report."""
-
-    loss: float
-    aux: Any
-    t0: float
-    t1: float
-    tokens: int
-    fetch_wait_s: float
-    grads_out_s: float
-    state: Any = None  # train_steps: the model state after this batch, held aside while the loop body runs
 
 
 class Engine:
@@ -135,9 +113,7 @@ class Engine:
             undo.pop_all()
         self.user_state: dict[str, Any] = {}
         self._closed = False
-        self._looping = False  # a train_steps loop is running
-        self._pool: ThreadPoolExecutor | None = None  # its optimizer worker
-        self._ordered_for: Any = None  # the plan the optimizer's update order follows
+        self._stepper = Stepper(self)
         if inert := config.inert_settings():
             warnings.warn("zinf_jax: these settings are accepted for DeepSpeed compatibility but have no effect: "
                           + ", ".join(inert), UserWarning, stacklevel=3)
@@ -197,10 +173,7 @@ class Engine:
             ``loss_fn`` that returns a non-scalar: before any state changes.
         """
         self._usable("train_step", batch)
-        if self._looping:
-            raise EngineError("engine.train_step() inside an engine.train_steps() loop: the loop holds the next "
-                              "batch's gradients; take the next step from the loop (or break out of it first)")
-        return self._update(self._forward_backward(batch))
+        return self._stepper.step(batch)
 
     def train_steps(self, batches: Iterable[Any]) -> Iterator[dict[str, Any]]:
         """:meth:`train_step` over ``batches``, each step's optimizer overlapped with the next step's forward.
@@ -225,132 +198,7 @@ class Engine:
                 print(metrics["step"], metrics["loss"])
         """
         self._usable("train_steps")
-        if self._looping:
-            raise EngineError("engine.train_steps() inside another train_steps() loop")
-        it = iter(batches)
-        self._looping = True
-        t_last = time.perf_counter()
-        try:
-            batch = next(it, _END)
-            if batch is _END:
-                return
-            self._usable("train_steps", batch)
-            grads = self._forward_backward(batch)
-            while True:
-                self.gate.arm([NORM_DONE, *self.optimizer.layouts])
-                step = self._worker().submit(self._update, grads, clear=False)
-                try:
-                    batch = next(it, _END)
-                    nxt = None
-                    if batch is not _END:
-                        self._usable("train_steps", batch)
-                        at_step = self.streamed.state  # the model state of step N, for the loop body
-                        nxt = self._forward_backward(batch, after=self._grads_read)
-                        nxt.state, self.streamed.state = self.streamed.state, at_step
-                finally:
-                    m = step.result()  # an optimizer error surfaces here, after the forward stopped
-                now = time.perf_counter()
-                m["step_time_s"], t_last = now - t_last, now
-                m["tokens_per_s"] = grads.tokens / m["step_time_s"]
-                yield m
-                if nxt is None:
-                    return
-                self.streamed.state = nxt.state
-                grads = nxt
-        finally:
-            self._looping = False
-            self.gate.open()
-            if not self._closed:
-                self.streamed.sink.clear()  # the gradients of a batch drawn but not stepped
-
-    def _worker(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zinf-optimizer")
-        return self._pool
-
-    def _grads_read(self) -> None:
-        """Before a backward that overlaps an optimizer step: wait until it has read every gradient, then clear."""
-        self.gate.wait()
-        self.streamed.sink.clear()
-
-    def _forward_backward(self, batch: Any, after: Callable[[], None] | None = None) -> _Grads:
-        """Loss and gradients of ``batch`` (per micro-batch); the gradients go to the sink.
-
-        ``after``: run before the first backward (the sink is then not cleared at the start).
-        """
-        t0 = time.perf_counter()
-        waits = self.streamed.prefetcher.wait_s, self._grads_out_s()
-        k = self.config.gradient_accumulation_steps
-        parts = micro_batches(batch, k)  # before any state changes: a batch that does not split is refused
-        # an optimizer step in flight: its norm all-reduce (a collective, across processes) goes first
-        self.gate.wait([NORM_DONE, *self.adapter.glue_paths])
-        glue = self.store.fetch(self.adapter.glue_paths)
-        losses, auxes = [], []
-        try:
-            for i, part in enumerate(parts):  # each backward seeded with scale / k: the sink sums the mean gradient
-                part = self.shard_batch(part)
-                loss, aux, g_glue = self.streamed.forward_backward(
-                    self.loss_fn, part, glue, has_aux=self.has_aux, loss_scale=self.optimizer.loss_scale / k,
-                    accumulate=i > 0 or after is not None, before_backward=after if i == 0 else None,
-                )
-                for path, g in zip(self.adapter.glue_paths, g_glue):
-                    if path in self.trainable:  # replicated: one copy
-                        self.streamed.sink.add_local(path, 0, np.asarray(g.addressable_data(0), np.float32))
-                losses.append(float(loss))
-                auxes.append(aux)
-        except BaseException:
-            if after is not None:
-                self.gate.wait()  # the optimizer step in flight may still be reading the sink
-            self.streamed.sink.clear()  # no half-accumulated gradient survives a failed step
-            raise
-        first = next(x for x in jax.tree.leaves(part, is_leaf=nnx.graph.is_graph_node) if hasattr(x, "shape"))
-        return _Grads(loss=math.fsum(losses) / k, aux=auxes[0] if k == 1 else auxes, t0=t0,
-                      t1=time.perf_counter(), tokens=k * math.prod(first.shape),
-                      fetch_wait_s=self.streamed.prefetcher.wait_s - waits[0],
-                      grads_out_s=self._grads_out_s() - waits[1])
-
-    def _update(self, grads: _Grads, clear: bool = True) -> dict[str, Any]:
-        """The optimizer step on the sink's gradients and the commit; the metrics of the step."""
-        def write_param(path: str, index: int, value: np.ndarray) -> Any:
-            return self.store.put_local(path, index, value)  # the driver keeps the buffer until this resolves
-
-        plan = self.streamed.plan
-        if plan is not None and plan is not self._ordered_for:  # the next forward's order (glue first)
-            self.optimizer.order([*self.adapter.glue_paths, *(p for uid, _ in plan.calls
-                                                             for p in self.adapter.units[uid].param_paths)])
-            self._ordered_for = plan
-        t1 = time.perf_counter()
-        try:
-            with TraceAnnotation("zinf/optimizer_step", step=self.optimizer.step_count + 1):
-                m = self.optimizer.step(self.streamed.sink.source, write_param, on_written=self.gate.written)
-            if clear:
-                self.streamed.sink.clear()
-            meta = {"step": self.optimizer.step_count}
-            with TraceAnnotation("zinf/commit", step=meta["step"]):
-                self.optimizer.commit(meta)
-                self.store.commit(meta)
-        finally:
-            self.gate.open()
-        elapsed = time.perf_counter() - grads.t0
-        out = {
-            "loss": grads.loss,
-            **m,
-            "step_time_s": elapsed,
-            "time_split": {"forward_backward_s": grads.t1 - grads.t0, "fetch_wait_s": grads.fetch_wait_s,
-                           "grads_out_s": grads.grads_out_s, "optimizer_wait_s": t1 - grads.t1,
-                           **{f"optimizer_{k}": v for k, v in self.optimizer.last_stats.items()}},
-            "tokens_per_s": grads.tokens / elapsed,
-            "peak_device_bytes": self.streamed.peak_device_bytes,
-            "bytes_param_tier": _tier_bytes(self.param_tier),
-            "bytes_optimizer_tier": _tier_bytes(self.opt_tier),
-            "compute_dtype": self.compute_dtype,
-        }
-        if self.has_aux:
-            out["aux"] = grads.aux
-        return out
-
-    def _grads_out_s(self) -> float:
-        return 0.0 if self.optimizer.grads is None else self.optimizer.grads.seconds
+        return self._stepper.steps(batches)
 
     def eval_step(self, batch: Any, *, loss_fn: Callable | None = None) -> Any:
         """Forward only, streamed, in evaluation mode: the loss (and aux if the loss returns one).
@@ -432,8 +280,7 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        self._stepper.close()
         try:
             self.streamed.prefetcher.close()
         finally:
@@ -451,11 +298,6 @@ def close_quietly(closable: Any) -> None:
     """Closes a tier or engine while another error is on its way out (that one is the one to report)."""
     with contextlib.suppress(Exception):
         closable.close()
-
-
-def _tier_bytes(tier: Any) -> int:
-    f = getattr(tier, "stored_bytes", None)
-    return int(f()) if f else 0
 
 
 def initialize(

@@ -22,13 +22,18 @@ import dataclasses
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 from jax._src import core
 from jax.extend.core import Primitive
 from jax.profiler import TraceAnnotation
 
-from zinf_jax.engine.programs import split_inputs
+from zinf_jax.engine.programs import join_inputs, split_inputs
+from zinf_jax.units import Plan
 
-__all__ = ["UnitCall", "Recorder", "GlueProgram", "unit_call_p"]
+__all__ = ["UnitCall", "Recorder", "GlueProgram", "Traced", "TraceCache", "unit_call_p", "MAX_TRACES"]
+
+MAX_TRACES = 16
+"""Traced losses kept (per loss function, mode and input signature), oldest dropped first."""
 
 unit_call_p = Primitive("zinf_unit_call")
 """A unit call in a traced loss: never lowered, only cut at (see :class:`GlueProgram`)."""
@@ -175,3 +180,59 @@ def _as_fun(closed: core.ClosedJaxpr) -> Callable[..., list[Any]]:
 
     return run
 
+
+
+@dataclasses.dataclass(frozen=True)
+class Traced:
+    """A loss traced for one input signature: its compiled glue, output structure and unit call order."""
+
+    program: GlueProgram
+    out_tree: Any
+    plan: Plan
+    args: list = dataclasses.field(default_factory=list)  # the flat inputs of this pass (glue, state, batch)
+
+    def unflatten(self, leaves: list) -> Any:
+        return jax.tree.unflatten(self.out_tree, leaves)
+
+
+def _avals(leaves: Sequence[Any]) -> tuple:
+    return tuple((jnp.shape(x), jax.typeof(x).dtype, getattr(jax.typeof(x), "weak_type", False)) for x in leaves)
+
+
+class TraceCache:
+    """Traced losses by signature (loss function, mode, structure and shapes of glue, model state and batch).
+
+    Args:
+      units: the model's units (for the plans).
+    """
+
+    def __init__(self, units: tuple):
+        self.units = units
+        self._traces: dict[tuple, Traced] = {}
+
+    def values(self) -> list[Traced]:
+        return list(self._traces.values())
+
+    def trace(self, adapter: Any, loss_fn: Callable, glue: list, state: Any, batch: Any, train: bool,
+              out_shapes: Callable[[int, str, Any, list], Any]) -> Traced:
+        """``loss_fn`` run by ``adapter`` on these inputs, traced now or taken from the cache, with this pass's inputs."""
+        sdyn, ssig = split_inputs("model state", state)
+        bdyn, bsig = split_inputs("batch", batch)
+        key = (loss_fn, train, ssig, bsig, _avals(glue), _avals(sdyn), _avals(bdyn))
+        hit = self._traces.get(key)
+        if hit is None:
+            if len(self._traces) >= MAX_TRACES:  # a new loss_fn object per call would grow it without bound
+                self._traces.pop(next(iter(self._traces)))
+            rec = Recorder(out_shapes)
+            tree = []
+
+            def flat(g, s, b):
+                out = adapter.run(loss_fn, list(g), join_inputs(ssig, s), join_inputs(bsig, b), rec, train)
+                leaves, t = jax.tree.flatten(out)
+                tree.append(t)
+                return leaves
+
+            closed = jax.make_jaxpr(flat)(glue, sdyn, bdyn)
+            plan = Plan(calls=tuple((c.uid, c.method) for c in rec.calls), units=self.units)
+            hit = self._traces[key] = Traced(GlueProgram(closed, rec.calls), tree[0], plan)
+        return dataclasses.replace(hit, args=[*glue, *sdyn, *bdyn])

@@ -40,12 +40,12 @@ from jax.profiler import TraceAnnotation
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zinf_jax.engine.adapters import EngineError
-from zinf_jax.engine.glue import GlueProgram, Recorder, UnitCall
+from zinf_jax.engine.glue import TraceCache, Traced, UnitCall
 from zinf_jax.engine.grads import GradSink
 from zinf_jax.engine.hostmem import release_free_memory
 from zinf_jax.engine.overlap import WriteGate
 from zinf_jax.engine.prefetch import Prefetcher
-from zinf_jax.engine.programs import Penalty, UnitPrograms, join_inputs, split_inputs
+from zinf_jax.engine.programs import Penalty, UnitPrograms, join_inputs
 from zinf_jax.engine.store import ParamStore
 from zinf_jax.units import Plan
 
@@ -54,9 +54,6 @@ __all__ = ["StreamedModel", "EngineError", "Phase", "ParamLoss", "JIT_MESSAGE"]
 ParamLoss = Callable[[str, jax.Array], Any]
 """``param_loss(path, value) -> scalar``: a loss term of one parameter (e.g. L2 on kernels), 0 for none."""
 
-
-MAX_TRACES = 16
-"""Traced losses kept (per loss function, mode and input signature), oldest dropped first."""
 
 TRIM_BYTES = 64 << 20
 """Gathered bytes of a unit from which freed host memory is returned to the system after each call."""
@@ -115,23 +112,6 @@ def _nbytes_on_devices(tree: Any) -> int:
                 shard = math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
                 total += shard * len(x.sharding.addressable_devices)
     return total
-
-
-@dataclasses.dataclass(frozen=True)
-class _Traced:
-    """A loss traced for one input signature: its compiled glue, output structure and unit call order."""
-
-    program: GlueProgram
-    out_tree: Any
-    plan: Plan
-    args: list = dataclasses.field(default_factory=list)  # the flat inputs of this pass (glue, state, batch)
-
-    def unflatten(self, leaves: list) -> Any:
-        return jax.tree.unflatten(self.out_tree, leaves)
-
-
-def _avals(leaves: Sequence[Any]) -> tuple:
-    return tuple((jnp.shape(x), jax.typeof(x).dtype, getattr(jax.typeof(x), "weak_type", False)) for x in leaves)
 
 
 class StreamedModel:
@@ -201,7 +181,7 @@ class StreamedModel:
         self.plan: Plan | None = None
         self._pass: _Pass | None = None
         self._vjp_fns: dict[tuple, Callable] = {}
-        self._traces: dict[tuple, _Traced] = {}
+        self._traces = TraceCache(tuple(self.units))
         self.peak_device_bytes = 0
         self.peak_live_array_bytes = 0
         self._sync_units = _one_program_at_a_time(self.mesh)
@@ -231,29 +211,12 @@ class StreamedModel:
         """Traces the loss (once per input signature): the unit call order and the compiled glue."""
         return self._traced(loss_fn, batch, glue, train).plan
 
-    def _traced(self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array], train: bool) -> _Traced:
-        """The loss traced for these inputs' signature, from the cache or traced now."""
-        sdyn, ssig = split_inputs("model state", self.state)
-        bdyn, bsig = split_inputs("batch", batch)
-        key = (loss_fn, train, ssig, bsig, _avals(glue), _avals(sdyn), _avals(bdyn))
-        hit = self._traces.get(key)
-        if hit is None:
-            if len(self._traces) >= MAX_TRACES:  # a new loss_fn object per call would grow it without bound
-                self._traces.pop(next(iter(self._traces)))
-            rec = Recorder(functools.partial(self._out_shapes, train))
-            tree = []
-
-            def flat(g, s, b):
-                out = self.adapter.run(loss_fn, list(g), join_inputs(ssig, s), join_inputs(bsig, b), rec, train)
-                leaves, t = jax.tree.flatten(out)
-                tree.append(t)
-                return leaves
-
-            closed = jax.make_jaxpr(flat)(list(glue), sdyn, bdyn)
-            plan = Plan(calls=tuple((c.uid, c.method) for c in rec.calls), units=tuple(self.units))
-            hit = self._traces[key] = _Traced(GlueProgram(closed, rec.calls), tree[0], plan)
+    def _traced(self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array], train: bool) -> Traced:
+        """The loss traced for these inputs' signature (cached, like ``jax.jit``'s traces)."""
+        hit = self._traces.trace(self.adapter, loss_fn, list(glue), self.state, batch, train,
+                                 functools.partial(self._out_shapes, train))
         self.plan = hit.plan
-        return dataclasses.replace(hit, args=[*glue, *sdyn, *bdyn])
+        return hit
 
     def _out_shapes(self, train: bool, uid: int, method: str, sig: tuple, dyn: list) -> Any:
         full = [jax.ShapeDtypeStruct(l.shape, self.store.dtype_of(l.path)) for l in self._layouts[uid]]
@@ -318,7 +281,7 @@ class StreamedModel:
             self.adapter.update_batch(batch, batch_state)
         return out if has_aux else (out, None)
 
-    def _begin(self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array], p: _Pass) -> tuple[_Pass, _Traced]:
+    def _begin(self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array], p: _Pass) -> tuple[_Pass, Traced]:
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((batch, list(glue)))):
             raise EngineError(JIT_MESSAGE)
         traced = self._traced(loss_fn, batch, glue, p.train)

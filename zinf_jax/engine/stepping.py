@@ -1,0 +1,213 @@
+"""The engine's training steps: one at a time, or with the optimizer overlapped with the next forward.
+
+:class:`Stepper` holds what :meth:`Engine.train_step <zinf_jax.api.Engine.train_step>`
+and :meth:`Engine.train_steps <zinf_jax.api.Engine.train_steps>` do: the streamed
+forward/backward of a batch (per micro-batch, gradients into the sink), then
+the streamed optimizer step and the commit of the tiers. ``train_steps`` runs
+step ``N``'s optimizer on a worker thread while step ``N+1``'s forward goes on,
+behind the :class:`~zinf_jax.engine.overlap.WriteGate`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.profiler import TraceAnnotation
+
+from zinf_jax.engine.adapters import EngineError
+from zinf_jax.engine.batching import micro_batches
+from zinf_jax.optim.driver import NORM_DONE
+
+if TYPE_CHECKING:
+    from zinf_jax.api import Engine
+
+__all__ = ["Stepper"]
+
+_END = object()
+
+
+@dataclasses.dataclass
+class _Grads:
+    """A step's forward/backward done, its gradients in the sink: what the optimizer step needs to report."""
+
+    loss: float
+    aux: Any
+    t0: float
+    t1: float
+    tokens: int
+    fetch_wait_s: float
+    grads_out_s: float
+    state: Any = None  # train_steps: the model state after this batch, held aside while the loop body runs
+
+
+class Stepper:
+    """The training steps of one engine.
+
+    Args:
+      engine: the engine (its streamed model, optimizer, store, tiers and gate).
+    """
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.looping = False  # a train_steps loop is running
+        self._pool: ThreadPoolExecutor | None = None  # its optimizer worker
+        self._ordered_for: Any = None  # the plan the optimizer's update order follows
+
+    def step(self, batch: Any) -> dict[str, Any]:
+        """One forward/backward and optimizer step (``Engine.train_step``)."""
+        if self.looping:
+            raise EngineError("engine.train_step() inside an engine.train_steps() loop: the loop holds the next "
+                              "batch's gradients; take the next step from the loop (or break out of it first)")
+        return self._update(self._forward_backward(batch))
+
+    def steps(self, batches: Iterable[Any]) -> Iterator[dict[str, Any]]:
+        """``Engine.train_steps``: the steps of ``batches``, each optimizer step overlapped with the next forward."""
+        if self.looping:
+            raise EngineError("engine.train_steps() inside another train_steps() loop")
+        return self._steps(iter(batches))
+
+    def _steps(self, it: Iterator[Any]) -> Iterator[dict[str, Any]]:
+        eng = self.engine
+        self.looping = True
+        t_last = time.perf_counter()
+        try:
+            batch = next(it, _END)
+            if batch is _END:
+                return
+            eng._usable("train_steps", batch)
+            grads = self._forward_backward(batch)
+            while True:
+                eng.gate.arm([NORM_DONE, *eng.optimizer.layouts])
+                step = self._worker().submit(self._update, grads, clear=False)
+                try:
+                    batch = next(it, _END)
+                    nxt = None
+                    if batch is not _END:
+                        eng._usable("train_steps", batch)
+                        at_step = eng.streamed.state  # the model state of step N, for the loop body
+                        nxt = self._forward_backward(batch, after=self._grads_read)
+                        nxt.state, eng.streamed.state = eng.streamed.state, at_step
+                finally:
+                    m = step.result()  # an optimizer error surfaces here, after the forward stopped
+                now = time.perf_counter()
+                m["step_time_s"], t_last = now - t_last, now
+                m["tokens_per_s"] = grads.tokens / m["step_time_s"]
+                yield m
+                if nxt is None:
+                    return
+                eng.streamed.state = nxt.state
+                grads = nxt
+        finally:
+            self.looping = False
+            eng.gate.open()
+            if not eng._closed:
+                eng.streamed.sink.clear()  # the gradients of a batch drawn but not stepped
+
+    def _worker(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zinf-optimizer")
+        return self._pool
+
+    def close(self) -> None:
+        """Stops the optimizer worker (after the step it runs, if any)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    def _grads_read(self) -> None:
+        """Before a backward that overlaps an optimizer step: wait until it has read every gradient, then clear."""
+        self.engine.gate.wait()
+        self.engine.streamed.sink.clear()
+
+    def _grads_out_s(self) -> float:
+        grads = self.engine.optimizer.grads
+        return 0.0 if grads is None else grads.seconds
+
+    def _forward_backward(self, batch: Any, after: Callable[[], None] | None = None) -> _Grads:
+        """Loss and gradients of ``batch`` (per micro-batch); the gradients go to the sink.
+
+        ``after``: run before the first backward (the sink is then not cleared at the start).
+        """
+        eng = self.engine
+        t0 = time.perf_counter()
+        waits = eng.streamed.prefetcher.wait_s, self._grads_out_s()
+        k = eng.config.gradient_accumulation_steps
+        parts = micro_batches(batch, k)  # before any state changes: a batch that does not split is refused
+        # an optimizer step in flight: its norm all-reduce (a collective, across processes) goes first
+        eng.gate.wait([NORM_DONE, *eng.adapter.glue_paths])
+        glue = eng.store.fetch(eng.adapter.glue_paths)
+        losses, auxes = [], []
+        try:
+            for i, part in enumerate(parts):  # each backward seeded with scale / k: the sink sums the mean gradient
+                part = eng.shard_batch(part)
+                loss, aux, g_glue = eng.streamed.forward_backward(
+                    eng.loss_fn, part, glue, has_aux=eng.has_aux, loss_scale=eng.optimizer.loss_scale / k,
+                    accumulate=i > 0 or after is not None, before_backward=after if i == 0 else None,
+                )
+                for path, g in zip(eng.adapter.glue_paths, g_glue):
+                    if path in eng.trainable:  # replicated: one copy
+                        eng.streamed.sink.add_local(path, 0, np.asarray(g.addressable_data(0), np.float32))
+                losses.append(float(loss))
+                auxes.append(aux)
+        except BaseException:
+            if after is not None:
+                eng.gate.wait()  # the optimizer step in flight may still be reading the sink
+            eng.streamed.sink.clear()  # no half-accumulated gradient survives a failed step
+            raise
+        first = next(x for x in jax.tree.leaves(part, is_leaf=nnx.graph.is_graph_node) if hasattr(x, "shape"))
+        return _Grads(loss=math.fsum(losses) / k, aux=auxes[0] if k == 1 else auxes, t0=t0,
+                      t1=time.perf_counter(), tokens=k * math.prod(first.shape),
+                      fetch_wait_s=eng.streamed.prefetcher.wait_s - waits[0],
+                      grads_out_s=self._grads_out_s() - waits[1])
+
+    def _update(self, grads: _Grads, clear: bool = True) -> dict[str, Any]:
+        """The optimizer step on the sink's gradients and the commit; the metrics of the step."""
+        eng = self.engine
+
+        def write_param(path: str, index: int, value: np.ndarray) -> Any:
+            return eng.store.put_local(path, index, value)  # the driver keeps the buffer until this resolves
+
+        plan = eng.streamed.plan
+        if plan is not None and plan is not self._ordered_for:  # the next forward's order (glue first)
+            eng.optimizer.order([*eng.adapter.glue_paths, *(p for uid, _ in plan.calls
+                                                           for p in eng.adapter.units[uid].param_paths)])
+            self._ordered_for = plan
+        t1 = time.perf_counter()
+        try:
+            with TraceAnnotation("zinf/optimizer_step", step=eng.optimizer.step_count + 1):
+                m = eng.optimizer.step(eng.streamed.sink.source, write_param, on_written=eng.gate.written)
+            if clear:
+                eng.streamed.sink.clear()
+            meta = {"step": eng.optimizer.step_count}
+            with TraceAnnotation("zinf/commit", step=meta["step"]):
+                eng.optimizer.commit(meta)
+                eng.store.commit(meta)
+        finally:
+            eng.gate.open()
+        elapsed = time.perf_counter() - grads.t0
+        out = {
+            "loss": grads.loss,
+            **m,
+            "step_time_s": elapsed,
+            "time_split": {"forward_backward_s": grads.t1 - grads.t0, "fetch_wait_s": grads.fetch_wait_s,
+                           "grads_out_s": grads.grads_out_s, "optimizer_wait_s": t1 - grads.t1,
+                           **{f"optimizer_{k}": v for k, v in eng.optimizer.last_stats.items()}},
+            "tokens_per_s": grads.tokens / elapsed,
+            "peak_device_bytes": eng.streamed.peak_device_bytes,
+            "bytes_param_tier": _tier_bytes(eng.param_tier),
+            "bytes_optimizer_tier": _tier_bytes(eng.opt_tier),
+            "compute_dtype": eng.compute_dtype,
+        }
+        if eng.has_aux:
+            out["aux"] = grads.aux
+        return out
+
+
+def _tier_bytes(tier: Any) -> int:
+    f = getattr(tier, "stored_bytes", None)
+    return int(f()) if f else 0
