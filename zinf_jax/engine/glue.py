@@ -148,6 +148,8 @@ class GlueProgram:
         for v, i in last.items():
             if v not in keep:
                 self.steps[i].drop.append(v)
+        for s in self.steps:  # outputs nothing reads (a unit's unused outputs): dropped at once
+            s.drop += [v for v in s.outs if isinstance(v, core.Var) and v not in keep and v not in last]
         self.steps = [s for s in self.steps if s.eqns is None or s.outs or s.effects]
 
     def __call__(self, args: Sequence[Any], call_unit: Callable[[int, list[Any]], list[Any]]) -> list[Any]:
