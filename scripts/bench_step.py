@@ -20,7 +20,11 @@ Usage::
 
     python scripts/bench_step.py [--d-model 128] [--layers 4] [--batch 16] [--seq 64]
         [--reps 7] [--warmup 2] [--steps-per-rep 5] [--tiers device,cpu,nvme] [--no-overlap]
-        [--dir DIR] [--out results/bench_step_d128_L4.json]
+        [--keep-activations] [--threshold 100000] [--dir DIR] [--out results/bench_step_d128_L4.json]
+
+The README's "before" figures ran this script against the older code with
+``PYTHONPATH=<a worktree of that commit>`` and ``--no-overlap`` (the JSON
+records which ``zinf_jax`` it timed).
 """
 from __future__ import annotations
 
