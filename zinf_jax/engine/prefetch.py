@@ -5,7 +5,7 @@ for the backward pass). When unit ``i`` of the schedule is taken, fetches for
 ``i+1 .. i+depth`` are issued on a worker thread (tier read, host-to-device
 copy, assembly into sharded arrays), as long as the bytes held on device stay
 under ``max_live_bytes``. A call that does not follow the schedule is served on
-demand and recorded, so the next step can use the order actually seen.
+demand.
 """
 from __future__ import annotations
 
@@ -51,8 +51,6 @@ class Prefetcher:
         self._pos = 0
         self._inflight: dict[int, Future] = {}
         self._current: tuple[int, list[jax.Array]] | None = None
-        self.seen: list[Call] = []
-        self.deviated = False
         self.fetches = 0
 
     def start(self, schedule: Sequence[Call]) -> None:
@@ -60,8 +58,6 @@ class Prefetcher:
         self.finish()
         self._schedule = tuple(schedule)
         self._pos = 0
-        self.seen = []
-        self.deviated = False
         self._fill()
 
     def held_bytes(self) -> int:
@@ -73,16 +69,13 @@ class Prefetcher:
 
     def take(self, call: Call) -> list[jax.Array]:
         """The arrays of the unit of ``call``, prefetched when the schedule foresaw it."""
-        self.seen.append(call)
         uid = call[0]
         expected = self._schedule[self._pos] if self._pos < len(self._schedule) else None
+        fut = None
         if expected is not None and expected[0] == uid:
             fut = self._inflight.pop(self._pos, None)
             self._pos += 1
-        else:
-            self.deviated = True
-            fut = None
-        if fut is None:
+        if fut is None:  # not foreseen (or not fetched ahead): served now
             if self._current is not None and self._current[0] == uid:
                 fut = done_future(self._current[1])
             else:

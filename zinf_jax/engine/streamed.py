@@ -207,10 +207,6 @@ class StreamedModel:
                     for p, x in zip(self.adapter.glue_paths, glue)), jnp.float32(0))
 
     # --- public passes --------------------------------------------------------
-    def make_plan(self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array], train: bool = True) -> Plan:
-        """Traces the loss (once per input signature): the unit call order and the compiled glue."""
-        return self._traced(loss_fn, batch, glue, train).plan
-
     def _traced(self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array], train: bool) -> Traced:
         """The loss traced for these inputs' signature (cached, like ``jax.jit``'s traces)."""
         hit = self._traces.trace(self.adapter, loss_fn, list(glue), self.state, batch, train,
