@@ -60,9 +60,9 @@ from zinf_jax.engine.programs import UnitPrograms  # noqa: E402
 from zinf_jax.engine.store import ParamStore  # noqa: E402
 from zinf_jax.engine.streamed import StreamedModel  # noqa: E402
 from zinf_jax.models import GPT, GPTConfig, batch_at, corpus, lm_loss  # noqa: E402
-from zinf_jax.sharding import local_shard_devices, make_mesh, plan_partition  # noqa: E402
+from zinf_jax.plan.partition import local_shard_devices, make_mesh, plan_partition  # noqa: E402
 from zinf_jax.tiers import CpuTier, DeviceTier, NvmeTier  # noqa: E402
-from zinf_jax.units import UnitPolicy  # noqa: E402
+from zinf_jax.plan.units import UnitPolicy  # noqa: E402
 
 from bench_tiers import fstype, scratch_root  # noqa: E402  (same folder)
 

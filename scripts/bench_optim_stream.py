@@ -186,7 +186,7 @@ class RssSampler:
 
 def build_layouts(total_params: int, n_params: int, shards: int, width: int = 1024):
     """``n_params`` 2-D parameters (the first 3x the others), rows a multiple of ``shards``."""
-    from zinf_jax.sharding import ParamLayout
+    from zinf_jax.plan.partition import ParamLayout
 
     unit = total_params / (n_params + 2)
     out = {}

@@ -14,9 +14,9 @@ from zinf_jax.engine.adapters import leaf_paths
 from zinf_jax.engine.store import ParamStore
 from zinf_jax.engine.streamed import StreamedModel
 from zinf_jax.models import lm_loss
-from zinf_jax.sharding import from_stored, local_shard_devices, make_mesh, plan_partition
+from zinf_jax.plan.partition import from_stored, local_shard_devices, make_mesh, plan_partition
 from zinf_jax.tiers import CpuTier, DeviceTier, NvmeTier
-from zinf_jax.units import UnitPolicy, path_str
+from zinf_jax.plan.units import UnitPolicy, path_str
 
 
 def open_param_tier(kind, mesh, path=None):

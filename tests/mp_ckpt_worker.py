@@ -35,7 +35,7 @@ from flax import nnx  # noqa: E402
 
 import zinf_jax as zinf  # noqa: E402
 from zinf_jax.models import GPT, GPTConfig, batch_at, corpus, lm_loss  # noqa: E402
-from zinf_jax.training_state import TrainingState  # noqa: E402
+from zinf_jax.checkpoint.state import TrainingState  # noqa: E402
 
 CFG = GPTConfig(vocab=256, d_model=32, n_heads=4, n_layers=2, seq=16)
 KW = dict(config=zinf.ZeroConfig(offload_param=zinf.Offload("cpu"), offload_optimizer=zinf.Offload("cpu"),
@@ -54,7 +54,7 @@ def step(eng):
 
 
 def digest(eng):
-    view = TrainingState(eng)
+    view = TrainingState(eng.components)
     return {f"{s}/{p}/{i}": hashlib.sha1(view.read(p, i, s).tobytes()).hexdigest()
             for p in view.layouts for s in view.states(p) for i in view.local_indices(p)}
 
@@ -72,7 +72,7 @@ if mode in ("save", "kill"):
     out["loss2"] = step(eng)
     emit(**out)
     if mode == "kill":
-        view, real, calls = TrainingState(eng), eng.optimizer.read_state, [0]
+        view, real, calls = TrainingState(eng.components), eng.optimizer.read_state, [0]
         first_group = sum(len(view.states(p)) * len(view.local_indices(p)) for p in view.groups[0])
 
         def slow_read(path, index, name):

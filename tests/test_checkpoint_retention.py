@@ -8,7 +8,7 @@ from flax import nnx
 
 import zinf_jax as zinf
 import zinf_jax.checkpoint
-from zinf_jax.cli import main
+from zinf_jax.app.cli import main
 from zinf_jax.models import GPT, GPTConfig, batch_at, corpus, lm_loss
 
 CFG = GPTConfig(vocab=256, d_model=32, n_heads=4, n_layers=2, seq=16)

@@ -19,10 +19,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from zinf_jax.cli import main
-from zinf_jax.interrupts import Interrupted, StopRequest
-from zinf_jax.rundir import RunLock
-from zinf_jax.train import TrainArgs, train
+from zinf_jax.app.cli import main
+from zinf_jax.app.interrupts import Interrupted, StopRequest
+from zinf_jax.app.rundir import RunLock
+from zinf_jax.app.train import TrainArgs, train
 
 TINY = ["--d-model", "32", "--n-layers", "2", "--seq", "32", "--batch", "8", "--no-progress"]  # as test_cli
 CPU = ["--param-device", "cpu", "--optimizer-device", "cpu"]
@@ -252,7 +252,7 @@ def test_signal_during_startup_stops_before_anything_is_built(tmp_path):
 # --- subprocesses (slow) ---------------------------------------------------------------------------------
 
 def _cmd(run: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "zinf_jax.cli", "train", "--run-dir", str(run), *TINY, *extra]
+    return [sys.executable, "-m", "zinf_jax.app.cli", "train", "--run-dir", str(run), *TINY, *extra]
 
 
 def _env() -> dict[str, str]:

@@ -9,11 +9,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from engine_utils import build, linen_adapter, nnx_adapter, streamed_grads
 from models import GPT, ConvNet, GPTConfig, LinenMLP, lm_loss, mse_loss
-from zinf_jax.engine.adapters import _leaf_paths
+from zinf_jax.engine.adapters import leaf_paths as _leaf_paths
 from zinf_jax.engine.init import param_batches
 from zinf_jax.engine.streamed import EngineError
-from zinf_jax.sharding import make_mesh
-from zinf_jax.units import UnitPolicy, UnitPolicyError, path_str
+from zinf_jax.plan.partition import make_mesh
+from zinf_jax.plan.units import UnitPolicy, UnitPolicyError, path_str
 
 THRESHOLD = 1000  # LayerNorm scales and the position table stay on device; blocks stream
 CFG = GPTConfig()
@@ -169,7 +169,7 @@ def test_init_unit_by_unit_equals_eager_bitwise(batch_bytes):
     eager = {path_str(p): np.asarray(v) for p, v in zip(_leaf_paths(st), jax.tree.leaves(st))}
     for path, lay in sm.store.layouts.items():
         (arr,) = sm.store.fetch([path])
-        from zinf_jax.sharding import from_stored
+        from zinf_jax.plan.partition import from_stored
         got = np.asarray(from_stored(lay, jax.device_get(arr)))
         assert got.tobytes() == eager[path].tobytes(), path
 

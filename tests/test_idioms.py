@@ -14,7 +14,7 @@ from flax import nnx, traverse_util
 import zinf_jax as zinf
 from idiom_models import (LinenEncDec, LinenLM, LinenResNet, LMConfig, NnxCNN, NnxSowLM, sow_penalty, xent)
 from zinf_jax.engine.adapters import leaf_paths
-from zinf_jax.units import path_str
+from zinf_jax.plan.units import path_str
 
 LR, WD, STEPS = 3e-3, 0.01, 4
 # Adam's eps. Adam divides each element's step by that element's own gradient scale, so an element

@@ -21,7 +21,7 @@ ARGS = ["--d-model", "32", "--n-layers", "2", "--seq", "32", "--batch", "8", "--
 
 
 def _cmd(run: Path, *extra):
-    return [sys.executable, "-m", "zinf_jax.cli", "train", "--run-dir", str(run), *ARGS, *extra]
+    return [sys.executable, "-m", "zinf_jax.app.cli", "train", "--run-dir", str(run), *ARGS, *extra]
 
 
 def _env():

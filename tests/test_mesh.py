@@ -13,7 +13,8 @@ import zinf_jax as zinf
 from engine_utils import flat, optax_run
 from zinf_jax.config import ConfigError
 from zinf_jax.models import GPT, GPTConfig, batch_at, corpus, lm_loss
-from zinf_jax.sharding import batch_spec, local_shard_devices, plan_partition, shard_index_of, zero_axes_of
+from zinf_jax.plan.partition import (batch_spec, local_shard_devices, owns_shard, plan_partition, shard_index_of,
+                                     zero_axes_of)
 
 CFG = GPTConfig(vocab=256, d_model=32, n_heads=4, n_layers=2, seq=16)
 LR, WD, STEPS = 3e-3, 0.1, 3
@@ -73,7 +74,7 @@ def test_own_mesh_trains_like_optax(reference, shape, names, zero_axes, shards, 
     assert sharded and all(lay.num_shards == shards and lay.spec[lay.dim] == entry for lay in sharded)
     path = sharded[0].path
     assert eng.store.local_indices(path) == list(range(shards))  # one copy per shard index in the param tier
-    assert sum(eng._owner(path, i) for i in range(shards)) == shards
+    assert sum(owns_shard(mesh, eng.layouts[path], i, zero_axes) for i in range(shards)) == shards
 
 
 def test_shard_indices_and_replicas():

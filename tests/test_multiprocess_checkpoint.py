@@ -19,7 +19,7 @@ from flax import nnx
 
 import zinf_jax as zinf
 from zinf_jax.models import GPT, GPTConfig, batch_at, corpus, lm_loss
-from zinf_jax.training_state import TrainingState
+from zinf_jax.checkpoint.state import TrainingState
 
 HERE = os.path.dirname(__file__)
 CFG = GPTConfig(vocab=256, d_model=32, n_heads=4, n_layers=2, seq=16)
@@ -66,7 +66,7 @@ def _one_process_restore(ckpt):
 
     eng = zinf.restore(ckpt, lambda: GPT(CFG, rngs=nnx.Rngs(0)), **KW)
     try:
-        view = TrainingState(eng)
+        view = TrainingState(eng.components)
         digest = {f"{s}/{p}/{i}": hashlib.sha1(view.read(p, i, s).tobytes()).hexdigest()
                   for p in view.layouts for s in view.states(p) for i in view.local_indices(p)}
         return digest, eng.train_step(batch_at(corpus(), eng.step, 8, CFG.seq))["loss"]

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from zinf_jax.inspect import inspect_dir
+from zinf_jax.app.inspect import inspect_dir
 from zinf_jax.tiers import NvmeTier, ShardSpec, TierDataError, TierError, read_manifest
 from tmpfs import mounted
 
@@ -201,7 +201,7 @@ def test_damaged_manifest_is_an_error_naming_the_file(tmp_path, capsys, content)
     with pytest.raises(TierDataError) as exc2:  # inspect says the same
         inspect_dir(tmp_path)
     assert str(exc2.value) == msg
-    from zinf_jax.cli import main
+    from zinf_jax.app.cli import main
 
     assert main(["inspect", str(tmp_path)]) == 2
     assert msg in capsys.readouterr().err

@@ -3,7 +3,7 @@
 The reference is always ``optax`` on the full (unsharded) arrays:
 ``optax.chain(optax.clip_by_global_norm(c), optax.adamw(schedule, mask=...))``.
 The driver sees the same parameters split into the shards of
-:func:`zinf_jax.sharding.plan_partition` on the 8-device test mesh, and the
+:func:`zinf_jax.plan.partition.plan_partition` on the 8-device test mesh, and the
 shards cut into sub-groups (several chunks per shard, a padded last chunk, when
 ``sub_group_size`` is small).
 """
@@ -18,7 +18,7 @@ import pytest
 from zinf_jax.config import LossScaleConfig
 from zinf_jax.optim import StreamedAdam, adamw, default_decay_mask, init_loss_scale, update_loss_scale
 from zinf_jax.optim.subgroups import sub_groups
-from zinf_jax.sharding import from_stored, make_mesh, plan_partition, to_stored
+from zinf_jax.plan.partition import from_stored, make_mesh, plan_partition, to_stored
 from zinf_jax.tiers import CpuTier, NvmeTier
 
 SHAPES = {

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zinf_jax.sharding import (
+from zinf_jax.plan.partition import (
     assemble, format_table, from_stored, make_mesh, plan_partition, split_local, to_stored,
 )
 

@@ -8,9 +8,9 @@ from flax import nnx
 
 import zinf_jax as zinf
 from engine_utils import optax_run
-from zinf_jax.engine.adapters import _leaf_paths
+from zinf_jax.engine.adapters import leaf_paths as _leaf_paths
 from zinf_jax.models import GPT, GPTConfig, batch_at, corpus, lm_loss
-from zinf_jax.units import path_str
+from zinf_jax.plan.units import path_str
 
 CFG = GPTConfig(vocab=256, d_model=32, n_heads=4, n_layers=2, seq=16)
 LR, WD, CLIP = 3e-3, 0.1, 1.0

@@ -12,7 +12,7 @@ from zinf_jax.optim.grads_out import IN_RAM_BELOW
 from engine_utils import flat, optax_run
 from zinf_jax.checkpoint import read_meta
 from zinf_jax.models import GPT, GPTConfig, batch_at, corpus, lm_loss
-from zinf_jax.units import path_str
+from zinf_jax.plan.units import path_str
 
 CFG = GPTConfig(vocab=256, d_model=32, n_heads=4, n_layers=2, seq=16)
 DATA = corpus()

@@ -16,20 +16,31 @@
 
 This module only re-exports the public API, lazily (PEP 562): ``import zinf_jax`` loads
 nothing heavy, so the CLI installs its signal handlers before JAX, Flax and orbax load.
+
+Where things live, in data-flow order (each package's ``__init__`` maps its modules)::
+
+  errors.py    every public exception, under ZinfError
+  config/      what the user asked for: ZeroConfig & co, DeepSpeed import
+  plan/        what goes where, as data: units, partition (mesh, shards), placement (tiers)
+  tiers/       where the bytes live: device, cpu, nvme (tensorstore zarr3, manifests, checksums)
+  optim/       update math (fused Adam kernel, optax rules), the streamed driver over a tier
+  engine/      hooks and executors: adapters, init, store, prefetch, glue, streamed, build, stepping
+  checkpoint/  format (on-disk names), state, save, restore, integrity, policies, retention
+  api.py       initialize / restore / Engine;  estimate.py: memory per tier before building
+  _internal/   the one jax._src fence, durable files, futures, multi-host, formatting
+  app/         the zinf-jax command and its main job (the library never imports it)
 """
 import importlib
 from typing import Any
 
 _EXPORTS = {
     "zinf_jax.api": ("Engine", "initialize", "restore"),
-    "zinf_jax.checkpoint": ("CheckpointError",),
-    "zinf_jax.config": ("AioConfig", "ConfigError", "LossScaleConfig", "Offload", "OptimizerConfig", "ZeroConfig"),
-    "zinf_jax.engine.store": ("ParamMismatchError",),
-    "zinf_jax.engine.streamed": ("EngineError",),
+    "zinf_jax.config": ("AioConfig", "LossScaleConfig", "Offload", "OptimizerConfig", "ZeroConfig"),
+    "zinf_jax.errors": ("ZinfError", "ConfigError", "CheckpointError", "ParamMismatchError", "EngineError",
+                        "TierError", "TierDataError", "UnitPolicyError"),
     "zinf_jax.optim": ("adam", "adamw"),
-    "zinf_jax.sharding": ("format_table", "make_mesh", "plan_partition"),
-    "zinf_jax.tiers": ("TierError", "TierDataError"),
-    "zinf_jax.units": ("Plan", "UnitPolicy", "UnitPolicyError"),
+    "zinf_jax.plan.partition": ("format_table", "make_mesh", "plan_partition"),
+    "zinf_jax.plan.units": ("Plan", "UnitPolicy"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
@@ -55,5 +66,6 @@ __all__ = [
     "adam", "adamw",
     "make_mesh", "plan_partition", "format_table",
     "UnitPolicy", "Plan",
-    "ConfigError", "TierError", "TierDataError", "UnitPolicyError", "ParamMismatchError", "EngineError", "CheckpointError",
+    "ZinfError", "ConfigError", "TierError", "TierDataError", "UnitPolicyError", "ParamMismatchError", "EngineError",
+    "CheckpointError",
 ]

@@ -10,7 +10,6 @@ the tiers (atomically, or in place with a half-updated mark; see
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import warnings
 from pathlib import Path
@@ -18,124 +17,67 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import flax.linen as nn
 import jax
-from flax import nnx
 import numpy as np
 from jax.sharding import Mesh
 
+from zinf_jax.checkpoint import TrainingState, latest_step_dir, restore_into, save
 from zinf_jax.config import ZeroConfig
 from zinf_jax.engine.batching import shard_batch
-from zinf_jax.engine.init import init_unit_by_unit
-from zinf_jax.engine.overlap import WriteGate
-from zinf_jax.engine.stepping import Stepper
-from zinf_jax.engine.pretrained import Pretrained
-from zinf_jax.engine.grads import GradSink
-from zinf_jax.engine.store import ParamStore, local_indices_of
-from zinf_jax.engine.streamed import JIT_MESSAGE, EngineError, ParamLoss, StreamedModel
-from zinf_jax.engine.wrap import make_adapter, trainable_paths
-from zinf_jax.optim import StreamedOptimizer
-from zinf_jax.optim.choose import choose_optimizer, loss_scaling, with_clipping
-from zinf_jax.sharding import ParamLayout, from_stored, make_mesh, plan_partition, split_local
-from zinf_jax.tiers import open_tier
-from zinf_jax.units import UnitPolicy
+from zinf_jax.engine.build import Components, build, close_quietly
+from zinf_jax.engine.stepping import Loss, Stepper
+from zinf_jax.engine.streamed import ParamLoss
+from zinf_jax.engine.wrap import make_adapter
+from zinf_jax.errors import EngineError
+from zinf_jax.optim.choose import choose_optimizer
+from zinf_jax.plan.partition import from_stored, make_mesh
+from zinf_jax.plan.units import UnitPolicy
 
-__all__ = ["initialize", "restore", "Engine"]
-
-
-def _allreduce(x: float) -> float:
-    if jax.process_count() == 1:
-        return x
-    from jax.experimental import multihost_utils
-
-    return float(np.sum(multihost_utils.process_allgather(np.float64(x))))
+__all__ = ["initialize", "restore", "Engine", "EngineError", "close_quietly"]
 
 
 class Engine:
     """A model trained with ZeRO-3 partitioning and tiered offload.
 
     Build it with :func:`initialize` or :func:`zinf_jax.restore`; do not call
-    the constructor directly.
+    the constructor directly. Its parts (tiers, optimizer, store, streamed
+    model) are wired once into :attr:`components`
+    (:class:`~zinf_jax.engine.build.Components`) and read through the
+    properties below.
     """
 
     def __init__(self, *, adapter: Any, config: ZeroConfig, mesh: Mesh, optimizer: Any, loss_fn: Callable,
-                 has_aux: bool = False, init: str = "fresh", track_live_arrays: bool = False,
-                 param_loss: ParamLoss | None = None, trainable: Any = None, params: Any = None):
-        self.adapter, self.config, self.mesh, self.loss_fn, self.has_aux = adapter, config, mesh, loss_fn, has_aux
+                 has_aux: bool = False, **build_kw: Any):
         self.optimizer_spec = optimizer
-        self.trainable: frozenset[str] = trainable_paths(adapter, trainable)
-        pretrained = None if params is None else Pretrained(params, adapter.abstract_params)
-        self.compute_dtype = config.resolved_compute_dtype(jax.devices()[0].platform)
-        self.layouts: dict[str, ParamLayout] = plan_partition(adapter.abstract_params, mesh, config.persistence_threshold,
-                                                              adapter.layout_hints, config.zero_axes)
-        placement = self._placement()
-        po, oo = config.offload_param, config.offload_optimizer
-        tier_kw = dict(placement=placement, max_in_flight_bytes=config.max_in_flight_bytes, update=config.nvme_update,
-                       chunk_bytes=config.aio.block_size, threads=config.aio.intra_op_parallelism)
-        with contextlib.ExitStack() as undo:  # a failure while building releases the tiers (and their locks)
-            self.param_tier = open_tier(po.device, path=po.path, subdir="params", direct_io=po.direct_io, **tier_kw)
-            undo.callback(close_quietly, self.param_tier)
-            self.opt_tier = open_tier(oo.device, path=oo.path, subdir="optimizer", host_memory="numpy",
-                                      direct_io=oo.direct_io, **tier_kw)
-            undo.callback(close_quietly, self.opt_tier)
-            # with the optimizer on nvme, gradients leave host RAM as they are produced (a scratch tier)
-            self.grad_tier = None if oo.device != "nvme" else open_tier(
-                "nvme", path=oo.path, subdir="grads", direct_io=oo.direct_io, **{**tier_kw, "update": "scratch"})
-            undo.callback(close_quietly, self.grad_tier)
-            self.optimizer = StreamedOptimizer(
-                with_clipping(optimizer, config.gradient_clipping), self.opt_tier,
-                {p: l for p, l in self.layouts.items() if p in self.trainable},
-                local_indices=local_indices_of(self.layouts, mesh), owner=self._owner,
-                sub_group_size=config.sub_group_size, buffer_count=oo.buffer_count,
-                loss_scale=loss_scaling(config, self.compute_dtype), allreduce=_allreduce, grad_tier=self.grad_tier,
-            )
-            self.optimizer.declare()
-            shared = self.compute_dtype == "float32" and po.device == oo.device == "nvme"  # see engine.store
-            self.store = ParamStore(self.param_tier, self.layouts, mesh, self.compute_dtype,
-                                    master=self.optimizer.read_state_async,
-                                    master_paths=self.trainable if shared else ())
-            if init == "fresh":
-                def to_optimizer(path: str, arr: jax.Array) -> list:
-                    if path not in self.trainable:  # frozen: only its compute-dtype copy in the param tier
-                        return []
-                    return [f for idx, shard in split_local(self.layouts[path], mesh, arr).items()
-                            for f in self.optimizer.init_shard(path, idx, np.asarray(shard, np.float32), wait=False)]
-
-                init_unit_by_unit(adapter, self.store, on_param=to_optimizer, metadata={"step": 0},
-                                  values=None if pretrained is None else pretrained.read)
-                self.optimizer.commit({"step": 0})
-            self.gate = WriteGate()
-            self.streamed = StreamedModel(
-                adapter, self.store, prefetch_depth=config.prefetch_depth, max_live_bytes=config.max_live_bytes,
-                offload_activations=config.offload_activations, track_live_arrays=track_live_arrays,
-                activation_checkpointing=config.activation_checkpointing,
-                param_loss=param_loss, trainable=self.trainable,
-                sink=GradSink(self.layouts, mesh, target=self.optimizer.grads), gate=self.gate,
-            )
-            undo.pop_all()
-        self.user_state: dict[str, Any] = {}
-        self._closed = False
-        self._stepper = Stepper(self)
+        self.loss_fn, self.has_aux = loss_fn, has_aux  # the training loss (``(loss, aux)`` when has_aux)
+        self.components: Components = build(adapter, config=config, mesh=mesh, optimizer=optimizer, **build_kw)
+        self._stepper = Stepper(self.components)
         if inert := config.inert_settings():
             warnings.warn("zinf_jax: these settings are accepted for DeepSpeed compatibility but have no effect: "
                           + ", ".join(inert), UserWarning, stacklevel=3)
 
-    # --- placement ----------------------------------------------------------------
-    def _placement(self) -> Callable[[int], jax.Device]:
-        from zinf_jax.sharding import local_shard_devices
+    adapter = property(lambda self: self.components.adapter, doc="The model's adapter (NNX or Linen).")
+    config = property(lambda self: self.components.config, doc="The engine's :class:`ZeroConfig`.")
+    mesh = property(lambda self: self.components.mesh, doc="The device mesh.")
+    layouts = property(lambda self: self.components.layouts, doc="How each parameter is partitioned, by path.")
+    trainable = property(lambda self: self.components.trainable, doc="The paths of the trained parameters.")
+    compute_dtype = property(lambda self: self.components.compute_dtype, doc="The resolved compute dtype.")
+    param_tier = property(lambda self: self.components.param_tier, doc="The tier of the compute-dtype params.")
+    opt_tier = property(lambda self: self.components.opt_tier, doc="The tier of the master and optimizer states.")
+    grad_tier = property(lambda self: self.components.grad_tier, doc="The scratch gradient tier, or None.")
+    optimizer = property(lambda self: self.components.optimizer, doc="The streamed optimizer.")
+    store = property(lambda self: self.components.store, doc="The parameter store over the param tier.")
+    streamed = property(lambda self: self.components.streamed, doc="The streamed forward/backward.")
+    gate = property(lambda self: self.components.gate, doc="The write gate of overlapped steps.")
 
-        local = local_shard_devices(self.mesh, self.config.zero_axes)
-        return lambda i: local.get(i, [jax.local_devices()[0]])[0]
+    @property
+    def user_state(self) -> dict[str, Any]:
+        """JSON data saved with each checkpoint (a restore sets it to the checkpoint's)."""
+        return self.components.user_state
 
-    def _owner(self, path: str, index: int) -> bool:
-        if self.layouts[path].dim is None:
-            return jax.process_index() == 0
-        holders = [d.process_index for d in self.mesh.devices.flat
-                   if self._shard_index(d) == index]
-        return min(holders) == jax.process_index()
-
-    def _shard_index(self, d: jax.Device) -> int:
-        from zinf_jax.sharding import shard_index_of
-
-        return shard_index_of(self.mesh, d, self.config.zero_axes)
+    @user_state.setter
+    def user_state(self, value: Mapping[str, Any]) -> None:
+        self.components.user_state.clear()
+        self.components.user_state.update(value)
 
     # --- steps ---------------------------------------------------------------------
     @property
@@ -173,7 +115,7 @@ class Engine:
             ``loss_fn`` that returns a non-scalar: before any state changes.
         """
         self._usable("train_step", batch)
-        return self._stepper.step(batch)
+        return self._stepper.step(batch, Loss(self.loss_fn, self.has_aux))
 
     def train_steps(self, batches: Iterable[Any]) -> Iterator[dict[str, Any]]:
         """:meth:`train_step` over ``batches``, each step's optimizer overlapped with the next step's forward.
@@ -198,7 +140,7 @@ class Engine:
                 print(metrics["step"], metrics["loss"])
         """
         self._usable("train_steps")
-        return self._stepper.steps(batches)
+        return self._stepper.steps(batches, Loss(self.loss_fn, self.has_aux))
 
     def eval_step(self, batch: Any, *, loss_fn: Callable | None = None) -> Any:
         """Forward only, streamed, in evaluation mode: the loss (and aux if the loss returns one).
@@ -259,45 +201,33 @@ class Engine:
         ``max_to_keep``: once this checkpoint is complete, delete the oldest ones so
         that at most this many remain (never this one; ``None`` keeps all).
         """
-        from zinf_jax.checkpoint import save
-
         self._usable("save")
-        return save(self, directory, user_state=user_state, max_to_keep=max_to_keep)
+        return save(TrainingState(self.components), directory, user_state=user_state, max_to_keep=max_to_keep)
 
     def _usable(self, what: str, batch: Any = None) -> None:
         """Refuses a call after :meth:`close` or under an outer transformation, before anything changes."""
-        if self._closed:
-            raise EngineError(f"engine.{what}() after engine.close(): its tiers (and their locks) are released; "
-                              "build a new engine (zinf.restore(...) from a checkpoint)")
-        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(batch, is_leaf=nnx.graph.is_graph_node)):
-            raise EngineError(JIT_MESSAGE)
+        self.components.life.check(what, batch)
 
     def close(self) -> None:
         """Finishes I/O and releases the tiers (and their directory locks), all of them even if one fails.
 
         Idempotent; every later call but ``close`` raises :class:`EngineError`.
         """
-        if self._closed:
+        c = self.components
+        if not c.life.close():
             return
-        self._closed = True
         self._stepper.close()
         try:
-            self.streamed.prefetcher.close()
+            c.streamed.prefetcher.close()
         finally:
             try:
-                self.param_tier.close()
+                c.param_tier.close()
             finally:
                 try:
-                    self.opt_tier.close()
+                    c.opt_tier.close()
                 finally:
-                    if self.grad_tier is not None:
-                        self.grad_tier.close()
-
-
-def close_quietly(closable: Any) -> None:
-    """Closes a tier or engine while another error is on its way out (that one is the one to report)."""
-    with contextlib.suppress(Exception):
-        closable.close()
+                    if c.grad_tier is not None:
+                        c.grad_tier.close()
 
 
 def initialize(
@@ -394,14 +324,12 @@ def restore(
     Raises:
       CheckpointError: no checkpoint there, or one of another model.
     """
-    from zinf_jax.checkpoint import latest_step_dir, restore_into
-
     step_dir = latest_step_dir(directory)
     if "params" in kwargs:
         raise TypeError("restore() takes its values from the checkpoint; params= is for initialize()")
     engine = _build(model, init="none", **kwargs)
     try:
-        restore_into(engine, step_dir)
+        restore_into(TrainingState(engine.components), step_dir)
     except BaseException:
         close_quietly(engine)
         raise

@@ -33,13 +33,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zinf_jax.optim.grads_out import IN_RAM_BELOW
+from zinf_jax._internal.fmt import human_bytes
 from zinf_jax.config import ZeroConfig
 from zinf_jax.engine.wrap import make_adapter, trainable_paths
+from zinf_jax.optim.grads_out import IN_RAM_BELOW
 from zinf_jax.optim.subgroups import sub_groups
-from zinf_jax.sharding import local_shard_devices, make_mesh, plan_partition
+from zinf_jax.plan.partition import local_shard_devices, make_mesh, plan_partition
+from zinf_jax.plan.placement import place
+from zinf_jax.plan.units import UnitPolicy
 from zinf_jax.tiers.nvme_layout import chunk_shape
-from zinf_jax.units import UnitPolicy
 
 __all__ = ["Machine", "MemoryEstimate", "CONFIGURATIONS", "RUNTIME_OVERHEAD", "estimate", "estimate_from_sizes",
            "estimate_from_model", "fits", "format_report"]
@@ -186,9 +188,9 @@ def _simulate(d: _Digest, depth: int, max_live: int | None, offload: bool, grads
 def _estimate(d: _Digest, config: ZeroConfig, pt: str, ot: str, platform: str) -> MemoryEstimate:
     if pt not in ("none", "cpu", "nvme") or ot not in ("none", "cpu", "nvme"):
         raise ValueError(f"configuration ({pt!r}, {ot!r}): param tier none|cpu|nvme, optimizer tier none|cpu|nvme")
-    grads_out = ot == "nvme"  # gradients go to a scratch nvme tier as they are produced
-    slots = 2 if config.nvme_update == "double_slot" else 1
-    shared = d.compute_dtype == "float32" and pt == ot == "nvme"  # trained params read from the master
+    where = place(config, d.compute_dtype, param_device=pt, optimizer_device=ot)  # what the engine would open
+    grads_out = where.grads_out  # See [Note: scratch gradients]
+    shared = where.shared_master  # See [Note: shared fp32 master]
     stream, host_fb = _simulate(d, config.prefetch_depth, config.max_live_bytes, config.offload_activations, grads_out)
     on_dev, cpu_p, cpu_o = d.store if pt == "none" else 0, d.store if pt == "cpu" else 0, d.opt if ot == "cpu" else 0
     fixed = {"unit_state": d.rests, "persistent_params": d.glue, "optimizer_state": d.opt if ot == "none" else 0}
@@ -207,8 +209,9 @@ def _estimate(d: _Digest, config: ZeroConfig, pt: str, ot: str, platform: str) -
                  "optimizer_state": cpu_o}],
                key=lambda x: sum(x.values()))
     param_disk = d.store_disk - (d.store_disk_trained if shared else 0)
-    nvme = {"param_tier": slots * param_disk + d.param_meta if pt == "nvme" else 0,  # optimizer: 3 keys a param
-            "optimizer_state": slots * d.opt_disk + 3 * d.param_meta if ot == "nvme" else 0,
+    nvme = {"param_tier": where.params.update.slots * param_disk + d.param_meta if pt == "nvme" else 0,
+            "optimizer_state": (where.optimizer.update.slots * d.opt_disk + 3 * d.param_meta  # 3 keys a param
+                                if ot == "nvme" else 0),
             "gradients": d.grad_disk if grads_out else 0}
     breakdown = {f"{t}.{k}": int(v) for t, items in (("device", dev), ("host", host), ("nvme", nvme))
                  for k, v in items.items() if v}
@@ -408,18 +411,13 @@ def fits(estimates: Iterable[MemoryEstimate], machine: Machine) -> list[MemoryEs
     return [e for e in estimates if e.fits(machine)]
 
 
-def _human(n: float) -> str:
-    k = next(k for k in range(4, -1, -1) if n >= 1024 ** k or k == 0)
-    return f"{n:.0f} B" if k == 0 else f"{n / 1024 ** k:.1f} {('KiB', 'MiB', 'GiB', 'TiB')[k - 1]}"
-
-
 def format_report(estimates: Sequence[MemoryEstimate], machine: Machine | None = None) -> str:
     """A table of the bytes each configuration needs per tier, with ✓/✗ against ``machine``."""
     rows = [["param", "optimizer", "device (each)", "host", "nvme"] + (["fits"] if machine else [])]
     for e in estimates:
         req, ok = e.required(), e.fits_tiers(machine) if machine else {}
         mark = lambda t: (" ✓" if ok[t] else " ✗") if machine else ""  # noqa: E731
-        rows.append([e.param_tier, e.optimizer_tier] + [_human(req[t]) + mark(t) for t in ("device", "host", "nvme")]
+        rows.append([e.param_tier, e.optimizer_tier] + [human_bytes(req[t]) + mark(t) for t in ("device", "host", "nvme")]
                     + (["✓" if all(ok.values()) else "✗"] if machine else []))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]

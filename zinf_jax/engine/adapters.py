@@ -26,11 +26,10 @@ from typing import Any, Callable, Hashable, Iterator, Mapping, Protocol, Sequenc
 
 import jax
 
+from zinf_jax._internal import jax_private
+from zinf_jax.errors import EngineError
+
 __all__ = ["InitTrace", "Hook", "HookSlot", "Adapter", "EngineError", "exact_jit_call", "leaf_paths", "get_path"]
-
-
-class EngineError(RuntimeError):
-    """The streamed engine, or a wrapped model, was used in a way it cannot support."""
 
 
 class Hook(Protocol):
@@ -123,32 +122,28 @@ class InitTrace:
     """
 
     def __init__(self, values: Callable[[], Mapping[str, Any]], order: Sequence[str]):
-        from jax._src.interpreters import partial_eval as pe
-
         self._order = {p: i for i, p in enumerate(order)}
         def all_values() -> list[Any]:
             flat = values()  # the constructor runs once
             return [flat[p] for p in order]
 
         closed = jax.make_jaxpr(all_values)()
-        self._jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)  # constants become leading inputs
+        self._jaxpr = jax_private.convert_constvars_jaxpr(closed.jaxpr)  # constants become leading inputs
         self._consts = list(closed.consts)
 
     def run(self, paths: Sequence[str], transform: Callable[[str, Any], Any], shardings: Sequence[Any]) -> list[Any]:
         """``transform(path, value)`` of ``paths``, computed by one compiled program, placed with ``shardings``."""
         from jax._src import core
-        from jax._src.interpreters import partial_eval as pe
-
         want = [self._order[p] for p in paths]
         used = [False] * len(self._jaxpr.outvars)
         for i in want:
             used[i] = True
-        jaxpr, used_in = pe.dce_jaxpr(self._jaxpr, used)
+        jaxpr, used_in = jax_private.dce_jaxpr(self._jaxpr, used)
         consts = [c for c, u in zip(self._consts, used_in) if u]
         pos = {i: k for k, i in enumerate(sorted(set(want)))}  # the kept outputs stay in their order
 
         def f():
-            outs = core.eval_jaxpr(jaxpr, [], *consts)
+            outs = jax_private.eval_jaxpr(jaxpr, [], *consts)
             return [transform(p, outs[pos[i]]) for p, i in zip(paths, want)]
 
         return exact_jit_call(f, list(shardings))
@@ -177,20 +172,3 @@ def get_path(module: Any, path: tuple[Any, ...]) -> Any:
     for p in path:
         module = module[p] if isinstance(p, int) else getattr(module, p)
     return module
-
-
-# Names kept for callers of the first version.
-_leaf_paths = leaf_paths
-_get = get_path
-
-
-def __getattr__(name: str) -> Any:  # the adapters live in their own modules
-    if name == "NnxAdapter":
-        from zinf_jax.engine.nnx_adapter import NnxAdapter
-
-        return NnxAdapter
-    if name == "LinenAdapter":
-        from zinf_jax.engine.linen_adapter import LinenAdapter
-
-        return LinenAdapter
-    raise AttributeError(name)

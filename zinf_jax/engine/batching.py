@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zinf_jax.sharding import batch_spec
+from zinf_jax.plan.partition import batch_spec
 
 __all__ = ["micro_batches", "shard_batch"]
 

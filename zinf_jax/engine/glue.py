@@ -23,19 +23,18 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax._src import core
-from jax.extend.core import Primitive
 from jax.profiler import TraceAnnotation
 
+from zinf_jax._internal import jax_private as core
 from zinf_jax.engine.programs import join_inputs, split_inputs
-from zinf_jax.units import Plan
+from zinf_jax.plan.units import Plan
 
 __all__ = ["UnitCall", "Recorder", "GlueProgram", "Traced", "TraceCache", "unit_call_p", "MAX_TRACES"]
 
 MAX_TRACES = 16
 """Traced losses kept (per loss function, mode and input signature), oldest dropped first."""
 
-unit_call_p = Primitive("zinf_unit_call")
+unit_call_p = core.Primitive("zinf_unit_call")
 """A unit call in a traced loss: never lowered, only cut at (see :class:`GlueProgram`)."""
 unit_call_p.multiple_results = True
 unit_call_p.def_abstract_eval(lambda *args, call, out_avals: out_avals)

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from zinf_jax.sharding import ParamLayout, split_local
+from zinf_jax.plan.partition import ParamLayout, split_local
 
 __all__ = ["GradSink"]
 

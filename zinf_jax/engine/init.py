@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from zinf_jax.engine.store import ParamStore
-from zinf_jax.sharding import to_stored
+from zinf_jax.plan.partition import to_stored
 
 __all__ = ["init_unit_by_unit", "param_groups", "param_batches", "INIT_BATCH_BYTES"]
 

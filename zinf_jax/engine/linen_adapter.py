@@ -34,7 +34,7 @@ from flax.core import DenyList, meta
 from flax.core.scope import LazyRng
 
 from zinf_jax.engine.adapters import Hook, HookSlot, InitTrace, exact_jit_call
-from zinf_jax.units import Unit, UnitPolicy, nbytes_of, path_str, select_units
+from zinf_jax.plan.units import Unit, UnitPolicy, nbytes_of, path_str, select_units
 
 __all__ = ["LinenAdapter"]
 
@@ -49,7 +49,7 @@ def _shape_of(x: Any) -> Any:
 def _mesh_axes(box: Any, rules: Any) -> tuple | None:
     """The mesh axes of each dimension of a boxed parameter, if it names any.
 
-    Returned as a layout hint: :func:`zinf_jax.sharding.plan_partition` shards
+    Returned as a layout hint: :func:`zinf_jax.plan.partition.plan_partition` shards
     first the dimension that maps to one of the zero axes.
     """
     if isinstance(box, nn.LogicallyPartitioned):

@@ -27,7 +27,7 @@ import jax
 from flax import nnx
 
 from zinf_jax.engine.adapters import EngineError, Hook, HookSlot, InitTrace, exact_jit_call, get_path, leaf_paths
-from zinf_jax.units import Unit, UnitPolicy, UnitPolicyError, nbytes_of, path_str, select_units
+from zinf_jax.plan.units import Unit, UnitPolicy, UnitPolicyError, nbytes_of, path_str, select_units
 
 __all__ = ["NnxAdapter", "UnitProxy"]
 

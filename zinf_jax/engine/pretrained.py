@@ -26,7 +26,7 @@ import numpy as np
 
 from zinf_jax.engine.adapters import kp_tuple
 from zinf_jax.engine.store import ParamMismatchError
-from zinf_jax.units import path_str
+from zinf_jax.plan.units import path_str
 
 __all__ = ["Pretrained"]
 

@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jax.ad_checkpoint import checkpoint_name
 
 from zinf_jax.engine.adapters import EngineError
-from zinf_jax.sharding import ParamLayout, from_stored
+from zinf_jax.plan.partition import ParamLayout, from_stored
 
 __all__ = ["UnitPrograms", "UnitFn", "Penalty", "split_diff", "split_inputs", "join_inputs"]
 

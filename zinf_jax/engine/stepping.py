@@ -20,16 +20,24 @@ import numpy as np
 from flax import nnx
 from jax.profiler import TraceAnnotation
 
-from zinf_jax.engine.adapters import EngineError
-from zinf_jax.engine.batching import micro_batches
+from zinf_jax.engine.batching import micro_batches, shard_batch
+from zinf_jax.errors import EngineError
 from zinf_jax.optim.driver import NORM_DONE
 
 if TYPE_CHECKING:
-    from zinf_jax.api import Engine
+    from zinf_jax.engine.build import Components
 
-__all__ = ["Stepper"]
+__all__ = ["Stepper", "Loss"]
 
 _END = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class Loss:
+    """The loss a step trains: ``fn(model, batch) -> loss``, or ``(loss, aux)`` when ``has_aux``."""
+
+    fn: Callable
+    has_aux: bool = False
 
 
 @dataclasses.dataclass
@@ -43,6 +51,7 @@ class _Grads:
     tokens: int
     fetch_wait_s: float
     grads_out_s: float
+    has_aux: bool = False
     state: Any = None  # train_steps: the model state after this batch, held aside while the loop body runs
 
 
@@ -50,38 +59,37 @@ class Stepper:
     """The training steps of one engine.
 
     Args:
-      engine: the engine (its streamed model, optimizer, store, tiers and gate).
+      components: the engine's parts (its streamed model, optimizer, store, tiers, gate and life cycle).
     """
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        self.looping = False  # a train_steps loop is running
+    def __init__(self, components: Components):
+        self.c = components
         self._pool: ThreadPoolExecutor | None = None  # its optimizer worker
         self._ordered_for: Any = None  # the plan the optimizer's update order follows
 
-    def step(self, batch: Any) -> dict[str, Any]:
-        """One forward/backward and optimizer step (``Engine.train_step``)."""
-        if self.looping:
+    def step(self, batch: Any, loss: Loss) -> dict[str, Any]:
+        """One forward/backward and optimizer step (``Engine.train_step``) of ``loss``."""
+        if self.c.life.looping:
             raise EngineError("engine.train_step() inside an engine.train_steps() loop: the loop holds the next "
                               "batch's gradients; take the next step from the loop (or break out of it first)")
-        return self._update(self._forward_backward(batch))
+        return self._update(self._forward_backward(batch, loss))
 
-    def steps(self, batches: Iterable[Any]) -> Iterator[dict[str, Any]]:
+    def steps(self, batches: Iterable[Any], loss: Loss) -> Iterator[dict[str, Any]]:
         """``Engine.train_steps``: the steps of ``batches``, each optimizer step overlapped with the next forward."""
-        if self.looping:
+        if self.c.life.looping:
             raise EngineError("engine.train_steps() inside another train_steps() loop")
-        return self._steps(iter(batches))
+        return self._steps(iter(batches), loss)
 
-    def _steps(self, it: Iterator[Any]) -> Iterator[dict[str, Any]]:
-        eng = self.engine
-        self.looping = True
+    def _steps(self, it: Iterator[Any], loss: Loss) -> Iterator[dict[str, Any]]:
+        eng = self.c
+        eng.life.enter_loop()
         t_last = time.perf_counter()
         try:
             batch = next(it, _END)
             if batch is _END:
                 return
-            eng._usable("train_steps", batch)
-            grads = self._forward_backward(batch)
+            eng.life.check("train_steps", batch)
+            grads = self._forward_backward(batch, loss)
             while True:
                 eng.gate.arm([NORM_DONE, *eng.optimizer.layouts])
                 step = self._worker().submit(self._update, grads, clear=False)
@@ -89,10 +97,10 @@ class Stepper:
                     batch = next(it, _END)
                     nxt = None
                     if batch is not _END:
-                        eng._usable("train_steps", batch)
+                        eng.life.check("train_steps", batch)
                         at_step = eng.streamed.state  # the model state of step N, for the loop body
-                        nxt = self._forward_backward(batch, after=self._grads_read)
-                        nxt.state, eng.streamed.state = eng.streamed.state, at_step
+                        nxt = self._forward_backward(batch, loss, after=self._grads_read)
+                        nxt.state = eng.streamed.replace_state(at_step)
                 finally:
                     m = step.result()  # an optimizer error surfaces here, after the forward stopped
                 now = time.perf_counter()
@@ -101,12 +109,12 @@ class Stepper:
                 yield m
                 if nxt is None:
                     return
-                eng.streamed.state = nxt.state
+                eng.streamed.replace_state(nxt.state)
                 grads = nxt
         finally:
-            self.looping = False
+            eng.life.leave_loop()
             eng.gate.open()
-            if not eng._closed:
+            if not eng.life.closed:
                 eng.streamed.sink.clear()  # the gradients of a batch drawn but not stepped
 
     def _worker(self) -> ThreadPoolExecutor:
@@ -121,19 +129,19 @@ class Stepper:
 
     def _grads_read(self) -> None:
         """Before a backward that overlaps an optimizer step: wait until it has read every gradient, then clear."""
-        self.engine.gate.wait()
-        self.engine.streamed.sink.clear()
+        self.c.gate.wait()
+        self.c.streamed.sink.clear()
 
     def _grads_out_s(self) -> float:
-        grads = self.engine.optimizer.grads
+        grads = self.c.optimizer.grads
         return 0.0 if grads is None else grads.seconds
 
-    def _forward_backward(self, batch: Any, after: Callable[[], None] | None = None) -> _Grads:
+    def _forward_backward(self, batch: Any, objective: Loss, after: Callable[[], None] | None = None) -> _Grads:
         """Loss and gradients of ``batch`` (per micro-batch); the gradients go to the sink.
 
         ``after``: run before the first backward (the sink is then not cleared at the start).
         """
-        eng = self.engine
+        eng = self.c
         t0 = time.perf_counter()
         waits = eng.streamed.prefetcher.wait_s, self._grads_out_s()
         k = eng.config.gradient_accumulation_steps
@@ -144,9 +152,9 @@ class Stepper:
         losses, auxes = [], []
         try:
             for i, part in enumerate(parts):  # each backward seeded with scale / k: the sink sums the mean gradient
-                part = eng.shard_batch(part)
+                part = shard_batch(part, eng.mesh)
                 loss, aux, g_glue = eng.streamed.forward_backward(
-                    eng.loss_fn, part, glue, has_aux=eng.has_aux, loss_scale=eng.optimizer.loss_scale / k,
+                    objective.fn, part, glue, has_aux=objective.has_aux, loss_scale=eng.optimizer.loss_scale / k,
                     accumulate=i > 0 or after is not None, before_backward=after if i == 0 else None,
                 )
                 for path, g in zip(eng.adapter.glue_paths, g_glue):
@@ -163,11 +171,11 @@ class Stepper:
         return _Grads(loss=math.fsum(losses) / k, aux=auxes[0] if k == 1 else auxes, t0=t0,
                       t1=time.perf_counter(), tokens=k * math.prod(first.shape),
                       fetch_wait_s=eng.streamed.prefetcher.wait_s - waits[0],
-                      grads_out_s=self._grads_out_s() - waits[1])
+                      grads_out_s=self._grads_out_s() - waits[1], has_aux=objective.has_aux)
 
     def _update(self, grads: _Grads, clear: bool = True) -> dict[str, Any]:
         """The optimizer step on the sink's gradients and the commit; the metrics of the step."""
-        eng = self.engine
+        eng = self.c
 
         def write_param(path: str, index: int, value: np.ndarray) -> Any:
             return eng.store.put_local(path, index, value)  # the driver keeps the buffer until this resolves
@@ -203,7 +211,7 @@ class Stepper:
             "bytes_optimizer_tier": _tier_bytes(eng.opt_tier),
             "compute_dtype": eng.compute_dtype,
         }
-        if eng.has_aux:
+        if grads.has_aux:
             out["aux"] = grads.aux
         return out
 

@@ -1,6 +1,6 @@
 """The parameter store: stored-form parameters in the param tier, by path.
 
-Each parameter is kept in its *stored form* (see :mod:`zinf_jax.sharding`) and
+Each parameter is kept in its *stored form* (see :mod:`zinf_jax.plan.partition`) and
 in the compute dtype, one tier key per parameter, one tier shard per shard of
 the zero axes that this process owns. :meth:`ParamStore.fetch` turns the
 shards of a unit back into sharded device arrays (the "bandwidth-centric" read:
@@ -22,8 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from zinf_jax.sharding import ParamLayout, assemble_many, local_shard_devices, split_local
+from zinf_jax.plan.partition import ParamLayout, assemble_many, local_shard_devices, split_local
 from zinf_jax.tiers.base import ShardSpec, Tier, TierError, done_future
+from zinf_jax.errors import ParamMismatchError
 
 __all__ = ["ParamStore", "ParamMismatchError", "local_indices_of"]
 
@@ -35,10 +36,6 @@ def local_indices_of(layouts: Mapping[str, ParamLayout], mesh: Mesh) -> Callable
     """``local_indices(path)``: the shard indices of a parameter this process stores."""
     local = list(local_shard_devices(mesh, next((lay.axes for lay in layouts.values()), None)))
     return lambda path: [0] if layouts[path].dim is None else list(local)
-
-
-class ParamMismatchError(ValueError):
-    """The model's parameters do not match what the tier already stores."""
 
 
 class ParamStore:

@@ -39,7 +39,7 @@ import numpy as np
 from jax.profiler import TraceAnnotation
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zinf_jax.engine.adapters import EngineError
+from zinf_jax.errors import EngineError
 from zinf_jax.engine.glue import TraceCache, Traced, UnitCall
 from zinf_jax.engine.grads import GradSink
 from zinf_jax.engine.hostmem import release_free_memory
@@ -47,7 +47,7 @@ from zinf_jax.engine.overlap import WriteGate
 from zinf_jax.engine.prefetch import Prefetcher
 from zinf_jax.engine.programs import Penalty, UnitPrograms, join_inputs
 from zinf_jax.engine.store import ParamStore
-from zinf_jax.units import Plan
+from zinf_jax.plan.units import Plan
 
 __all__ = ["StreamedModel", "EngineError", "Phase", "ParamLoss", "JIT_MESSAGE"]
 
@@ -185,6 +185,15 @@ class StreamedModel:
         self.peak_device_bytes = 0
         self.peak_live_array_bytes = 0
         self._sync_units = _one_program_at_a_time(self.mesh)
+
+    def replace_state(self, state: Any) -> Any:
+        """Sets the model's non-parameter state (RNG keys and counts, batch statistics); returns the old one.
+
+        Only two callers: a checkpoint restore (the saved state) and a ``train_steps`` loop, which
+        holds the next batch's state aside while its body sees the state of the step it yielded.
+        """
+        old, self.state = self.state, state
+        return old
 
     def _fetch(self, uid: int) -> list[jax.Array]:
         paths = self.units[uid].param_paths

@@ -7,7 +7,7 @@ import flax.linen as nn
 
 from zinf_jax.engine.linen_adapter import LinenAdapter
 from zinf_jax.engine.nnx_adapter import NnxAdapter
-from zinf_jax.units import UnitPolicy
+from zinf_jax.plan.units import UnitPolicy
 
 __all__ = ["make_adapter"]
 

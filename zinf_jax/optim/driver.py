@@ -44,7 +44,7 @@ from zinf_jax.tiers.direct import aligned_empty, all_of
 
 if TYPE_CHECKING:
     from zinf_jax.config import LossScaleConfig
-    from zinf_jax.sharding import ParamLayout
+    from zinf_jax.plan.partition import ParamLayout
 
 __all__ = ["StreamedOptimizer", "StreamedAdam", "METADATA_KEY"]
 
@@ -59,7 +59,7 @@ class StreamedOptimizer:
         fused kernel), or an element-wise optax ``GradientTransformation``
         (see :mod:`zinf_jax.optim.optax_rule`).
       tier: where master weights and moments live (``CpuTier(memory="numpy")`` or ``NvmeTier``).
-      layouts: parameter path to its :class:`~zinf_jax.sharding.ParamLayout`.
+      layouts: parameter path to its :class:`~zinf_jax.plan.partition.ParamLayout`.
       local_indices: shard indices of a parameter that this process stores.
       owner: whether shard ``(path, i)`` counts in the global norm (one owner per replica set).
       sub_group_size: most elements of one sub-group (chunk of a shard).

@@ -24,19 +24,9 @@ from concurrent.futures import Future
 from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
+from zinf_jax.errors import TierDataError, TierError
 
 __all__ = ["ShardSpec", "Tier", "ByteBudget", "TierError", "TierDataError", "done_future", "np_dtype"]
-
-
-class TierError(RuntimeError):
-    """A tier cannot do what was asked (bad path, lock held, disk full, unknown key)."""
-
-
-class TierDataError(TierError):
-    """A tier's committed state is damaged: a checksum mismatch, a missing file, an unreadable manifest.
-
-    The state cannot be used; it must be restored from a checkpoint (into an empty directory).
-    """
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -126,7 +116,11 @@ class ByteBudget:
 
 @runtime_checkable
 class Tier(Protocol):
-    """A place where shards live: device memory, host RAM or NVMe."""
+    """A place where shards live: device memory, host RAM or NVMe.
+
+    The implementations keep their declared keys in a :class:`~zinf_jax.tiers.keys.KeyRegistry`
+    (``declare``, ``keys``, ``spec``, ``local_indices``).
+    """
 
     kind: str
     """``"device"``, ``"cpu"`` or ``"nvme"``."""

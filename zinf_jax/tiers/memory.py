@@ -7,7 +7,8 @@ updates its state), and :meth:`commit` waits for the puts and records the
 metadata. A tier holding the optimizer state therefore costs 12 B/param, not
 twice that. Transfers run on a small thread pool so that puts and gets are
 asynchronous like the NVMe tier's, with in-flight bytes bounded by the same
-:class:`ByteBudget`; a get waits for an earlier put of the same shard.
+:class:`ByteBudget`; a get waits for an earlier put of the same shard. Declared keys
+live in a :class:`~zinf_jax.tiers.keys.KeyRegistry`, as in the NVMe tier.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import jax
 import numpy as np
 
 from zinf_jax.tiers.base import ByteBudget, ShardSpec, TierError, done_future, np_dtype as _np
+from zinf_jax.tiers.keys import KeyRegistry
 
 __all__ = ["DeviceTier", "CpuTier"]
 
@@ -38,8 +40,7 @@ class _MemoryTier:
 
     def __init__(self, *, max_in_flight_bytes: int, io_threads: int = 2):
         self.budget = ByteBudget(max_in_flight_bytes)
-        self._specs: dict[str, ShardSpec] = {}
-        self._local: dict[str, list[int]] = {}
+        self._keys = KeyRegistry(self.kind)
         self._data: dict[tuple[str, int], Any] = {}
         self._puts: dict[tuple[str, int], Future] = {}  # the last put of each shard (reads wait for it)
         self._meta: dict[str, Any] = {}
@@ -47,26 +48,18 @@ class _MemoryTier:
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix=f"zinf-{self.kind}")
         self._futures: set[Future] = set()
 
-    # --- layout -------------------------------------------------------------
+    # --- layout (see :class:`~zinf_jax.tiers.keys.KeyRegistry`) ----------------
     def declare(self, key: str, spec: ShardSpec, local_indices: Sequence[int] | None = None) -> None:
-        old = self._specs.get(key)
-        if old is not None and old != spec:
-            raise TierError(f"{self.kind} tier: key {key!r} already declared as {old}, not {spec}")
-        self._specs[key] = spec
-        self._local[key] = sorted(range(spec.num_shards) if local_indices is None else local_indices)
+        self._keys.declare(key, spec, local_indices)
 
     def keys(self) -> list[str]:
-        return list(self._specs)
+        return self._keys.keys()
 
     def spec(self, key: str) -> ShardSpec:
-        try:
-            return self._specs[key]
-        except KeyError:
-            raise TierError(f"{self.kind} tier: unknown key {key!r}; declare it first") from None
+        return self._keys.spec(key)
 
     def local_indices(self, key: str) -> list[int]:
-        self.spec(key)
-        return list(self._local[key])
+        return self._keys.local_indices(key)
 
     # --- I/O ----------------------------------------------------------------
     def _submit(self, nbytes: int, fn: Callable[[], Any]) -> Future:

@@ -6,7 +6,8 @@ by :class:`~zinf_jax.tiers.direct.ChunkIO` (direct I/O, in place, in zarr3's
 own layout), smaller ones by tensorstore; tensorstore creates and validates the
 arrays, and plain tensorstore (or any zarr3 reader) opens them.
 
-Updates come in three modes (``update=``):
+Updates come in three modes (``update=``, a
+:class:`~zinf_jax.plan.placement.UpdateMode` or its value):
 
 * ``"double_slot"``: a key's writes in a new generation go to the slot the
   manifest does *not* point at; :meth:`NvmeTier.commit` waits for the (fsynced)
@@ -16,11 +17,25 @@ Updates come in three modes (``update=``):
 * ``"in_place"``: one slot, rewritten in place (no second copy on disk). Before
   the first write of a generation the manifest is replaced by one that says
   "in progress"; the commit replaces it by the finished one. A process killed
-  in between leaves a *half-updated* directory, which the next opener refuses
-  (:func:`~zinf_jax.tiers.nvme_layout.half_updated`) rather than train on mixed
-  state; it is rebuilt from a checkpoint.
+  in between leaves a *half-updated* directory (see [Note: half-updated tier]).
 * ``"scratch"``: in place, never synced, nothing published, emptied when
   opened (the gradients of the current step: never needed by another process).
+
+Where a generation stands is one :class:`Generation` state: ``CLEAN`` (the
+manifest names the newest finished generation), ``WRITING`` (the next one is
+being written) or ``BROKEN`` (an in-place one failed half-way).
+
+[Note: half-updated tier]
+In ``"in_place"`` mode the committed slots are overwritten, so between the first
+write of a generation and its commit the data on disk mixes two steps. The
+invariant: the manifest is marked "in progress" (durably) *before* the first
+write, and only the commit replaces it by an unmarked one. A process killed in
+between, or a generation whose write failed (``Generation.BROKEN``), therefore
+leaves a *half-updated* tier, and every opener refuses it
+(:func:`~zinf_jax.tiers.nvme_layout.half_updated`, a
+:class:`~zinf_jax.tiers.base.TierDataError` saying how to rebuild) rather than
+train on mixed state. The main job's ``--resume`` deletes such a directory and
+rebuilds it from the newest checkpoint. Enforced where it is cited by name.
 
 Integrity (:mod:`zinf_jax.tiers.checksum`): every chunk file's digest is
 computed on the write path, published by the commit in the same manifest that
@@ -33,6 +48,7 @@ committed one.
 """
 from __future__ import annotations
 
+import enum
 import os
 import shutil
 import threading
@@ -43,18 +59,38 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import tensorstore as ts
 
-from zinf_jax.tiers.base import ByteBudget, ShardSpec, TierError, np_dtype
+from zinf_jax.plan.placement import UpdateMode
+from zinf_jax.tiers.base import ByteBudget, ShardSpec, TierDataError, TierError, np_dtype
 from zinf_jax.tiers.checksum import ALGORITHM, ShardSums, damaged, diagnose, digest
 from zinf_jax.tiers.direct import ChunkIO, aligned_empty, all_of, chunk_files
+from zinf_jax.tiers.keys import KeyRegistry
 from zinf_jax.tiers.nvme_layout import (
     FORMAT, MANIFEST, SlotArrays, check_dir, half_updated, io_error, load_manifest, lock_dir, read_manifest, syncfs,
     unlock, write_manifest,
 )
 
 _ChunkFiles = list[tuple[Path, np.ndarray, int]]  # (chunk file, the shard's bytes in it, file size)
-UPDATE_MODES = ("double_slot", "in_place", "scratch")
 
-__all__ = ["NvmeTier", "read_manifest", "MANIFEST"]
+__all__ = ["NvmeTier", "Generation", "read_manifest", "MANIFEST"]
+
+
+class Generation(enum.Enum):
+    """Where the tier's next generation stands (one state per open tier)."""
+
+    CLEAN = "clean"
+    """Nothing written since the manifest was read or last replaced: on disk is exactly the committed
+    generation the manifest names (unmarked). Allowed: everything; the first put moves to ``WRITING``."""
+    WRITING = "writing"
+    """Puts of the next generation have started. Double slot: they go to the slots the manifest does not
+    name, the committed generation stays intact on disk. In place: the manifest was marked "in progress"
+    before the first write and the committed slots are being overwritten ([Note: half-updated tier]).
+    Scratch: overwritten, nothing published. Allowed: puts, gets (a shard's newest data: this generation's
+    if written), commit (back to ``CLEAN``). After a failed write, commit and close raise it and drop the
+    generation: double slot deletes its slots (back to ``CLEAN``), in place becomes ``BROKEN``."""
+    BROKEN = "broken"
+    """An in-place generation failed half-way (a write error, then commit or close): the marked manifest
+    stays and the data mixes two steps. Allowed: nothing but close; put, get and commit raise the
+    half-updated error, as every later opener does ([Note: half-updated tier])."""
 
 
 class NvmeTier:
@@ -81,9 +117,14 @@ class NvmeTier:
       checksums: compute a digest of every chunk file on write, commit it with
         the data and verify it on every read (default). ``False`` does
         neither (benchmarks only): shards it commits are read unverified.
-      update: ``"double_slot"`` (default), ``"in_place"`` or ``"scratch"`` (see the module doc).
+      update: ``"double_slot"`` (default), ``"in_place"`` or ``"scratch"``, or the
+        :class:`~zinf_jax.plan.placement.UpdateMode` member (see the module doc).
+
+    Attributes:
+      update: the :class:`~zinf_jax.plan.placement.UpdateMode` it applies steps in.
 
     Raises:
+      ValueError: ``sync`` or ``update`` is not one of the accepted values.
       TierError: the path is missing, not a directory or not writable, or
         another job holds its lock.
       TierDataError: the manifest is damaged, or an in-place update was
@@ -105,13 +146,16 @@ class NvmeTier:
         write_threads: int = 4,
         direct_min_bytes: int = 1 << 20,
         checksums: bool = True,
-        update: str = "double_slot",
+        update: str | UpdateMode = UpdateMode.DOUBLE_SLOT,
     ):
         if sync not in (True, False, "write", "commit"):  # before the lock is taken
             raise ValueError(f"nvme tier sync must be 'commit', 'write' (True) or False, got {sync!r}")
-        if update not in UPDATE_MODES:
-            raise ValueError(f"nvme tier update must be one of {UPDATE_MODES}, got {update!r}")
-        if update == "scratch":  # nothing in it must survive a crash: no fsync
+        try:
+            mode = UpdateMode(update)
+        except ValueError:
+            accepted = tuple(m.value for m in UpdateMode)
+            raise ValueError(f"nvme tier update must be one of {accepted}, got {update!r}") from None
+        if not mode.durable:  # nothing in it must survive a crash: no fsync
             sync = False
         root = Path(path)
         check_dir(root)
@@ -122,21 +166,20 @@ class NvmeTier:
         self.dir = root / f"process_{process_index}"
         self.dir.mkdir(exist_ok=True)
         self._lockf = lock_dir(self.dir)
-        self.update = update
+        self.update = mode
         try:
-            if update == "scratch":  # nothing in it outlives the process that wrote it
+            if not mode.durable:  # nothing in it outlives the process that wrote it
                 (self.dir / MANIFEST).unlink(missing_ok=True)
                 shutil.rmtree(self.dir / "data", ignore_errors=True)
             state = load_manifest(self.dir)
-            if state.in_progress is not None:
+            if state.in_progress is not None:  # See [Note: half-updated tier]
                 raise half_updated(self.dir, state.in_progress)
         except TierError:
             unlock(self._lockf)
             raise
-        self._marked = False  # an in-place generation has announced itself in the manifest
-        self._broken = False  # an in-place generation failed half-way: nothing here may be used
-        self._generation, self._meta, self._specs = state.generation, state.metadata, state.specs
-        self._local, self._slot = state.local, state.slot
+        self._state = Generation.CLEAN
+        self._generation, self._meta, self._slot = state.generation, state.metadata, state.slot
+        self._keys = KeyRegistry(self.kind, specs=state.specs, local=state.local, conflict=self._conflict)
         self._checksums = bool(checksums)
         self._sums = ShardSums(state.sums)
         self.budget = ByteBudget(max_in_flight_bytes)
@@ -148,7 +191,7 @@ class NvmeTier:
         self._written: dict[str, set[int]] = {}
         self._inflight: dict[tuple[str, int], Future] = {}
         self._futures: set[Future] = set()
-        self._failed: list[TierError] = []  # write errors of this generation; commit refuses while any
+        self._failed: list[TierError] = []  # write errors of the generation being written; commit refuses while any
         self._lock = threading.Lock()
         self.bytes_written = 0
         """Shard bytes handed to :meth:`put` since the tier was opened (what a step rewrites)."""
@@ -161,32 +204,26 @@ class NvmeTier:
         """Number of commits so far (the committed generation)."""
         return self._generation
 
+    def _conflict(self, key: str, old: ShardSpec, spec: ShardSpec) -> str:
+        """The message for a key declared with another spec than the directory holds."""
+        return (f"nvme tier: {key!r} is stored in {str(self.dir)!r} as {old}, not {spec}: "
+                "the directory holds another model's state; use an empty path")
+
     def declare(self, key: str, spec: ShardSpec, local_indices: Sequence[int] | None = None) -> None:
-        old = self._specs.get(key)
-        if old is not None and old != spec:
-            raise TierError(
-                f"nvme tier: {key!r} is stored in {str(self.dir)!r} as {old}, not {spec}: "
-                "the directory holds another model's state; use an empty path"
-            )
-        self._specs[key] = spec
-        self._local[key] = sorted(range(spec.num_shards) if local_indices is None else local_indices)
+        self._keys.declare(key, spec, local_indices)
 
     def keys(self) -> list[str]:
-        return list(self._specs)
+        return self._keys.keys()
 
     def spec(self, key: str) -> ShardSpec:
-        try:
-            return self._specs[key]
-        except KeyError:
-            raise TierError(f"nvme tier: unknown key {key!r}; declare it first") from None
+        return self._keys.spec(key)
 
     def local_indices(self, key: str) -> list[int]:
-        self.spec(key)
-        return list(self._local[key])
+        return self._keys.local_indices(key)
 
     def _array(self, key: str, slot: int, *, fresh: bool = False) -> ts.TensorStore:
         try:
-            return self._arrays.open(key, self._specs[key], slot, fresh=fresh)
+            return self._arrays.open(key, self._keys.spec(key), slot, fresh=fresh)
         except Exception as e:  # tensorstore raises ValueError/OSError subclasses
             raise self._error(e, "opening", key, None, self._arrays.slot_dir(key, slot)) from e
 
@@ -234,12 +271,17 @@ class NvmeTier:
         with self._lock:
             self._futures.discard(f)
 
+    def _half_updated(self) -> TierDataError:
+        """The error for this tier in :attr:`Generation.BROKEN` (the one its next opener raises)."""
+        return half_updated(self.dir, {"generation": self._generation + 1, "metadata": self._meta})
+
     def _check(self, key: str, index: int) -> ShardSpec:
-        if self._broken:
-            raise half_updated(self.dir, {"generation": self._generation + 1, "metadata": self._meta})
+        if self._state is Generation.BROKEN:  # See [Note: half-updated tier]
+            raise self._half_updated()
         spec = self.spec(key)
-        if index not in self._local[key]:
-            raise TierError(f"nvme tier: shard {index} of {key!r} is not stored by this process ({self._local[key]})")
+        local = self._keys.local_indices(key)
+        if index not in local:
+            raise TierError(f"nvme tier: shard {index} of {key!r} is not stored by this process ({local})")
         return spec
 
     def put(self, key: str, index: int, value: Any) -> Future:
@@ -249,16 +291,19 @@ class NvmeTier:
             arr = arr.copy(order="C")
         if arr.shape != spec.shard_shape:
             raise TierError(f"nvme tier: shard of {key!r} has shape {arr.shape}, declared {spec.shard_shape}")
-        if self.update == "in_place" and not self._marked:
-            self._mark_in_progress()
+        if self.update is UpdateMode.IN_PLACE and self._state is Generation.CLEAN:
+            self._mark_in_progress()  # See [Note: half-updated tier]
         with self._lock:
+            if self._state is Generation.CLEAN:
+                self._state = Generation.WRITING
+            double = self.update.slots == 2
             fresh = 1 - self._slot.get(key, 1)
-            slot = self._pending_slot.setdefault(key, fresh if self.update == "double_slot" else self._slot.get(key, 0))
+            slot = self._pending_slot.setdefault(key, fresh if double else self._slot.get(key, 0))
             self._written.setdefault(key, set()).add(index)
             self.bytes_written += arr.nbytes
         try:  # (no handle yet: the first put of this generation, or one after a failed open)
             # in place over committed data: open the array as it is (never recreate it)
-            committed = self.update != "double_slot" and key in self._slot
+            committed = not double and key in self._slot
             h = self._array(key, slot, fresh=not committed and not self._arrays.has(key, slot))
         except TierError as err:
             with self._lock:
@@ -375,17 +420,19 @@ class NvmeTier:
 
         Raises:
           TierError: a write failed (e.g. disk full); nothing was published and
-            the previous generation stays committed.
+            the previous generation stays committed (in place: the tier is
+            half-updated, :attr:`Generation.BROKEN`).
+          TierDataError: the tier is :attr:`Generation.BROKEN` (half-updated).
         """
-        if self._broken:
-            raise half_updated(self.dir, {"generation": self._generation + 1, "metadata": self._meta})
+        if self._state is Generation.BROKEN:  # See [Note: half-updated tier]
+            raise self._half_updated()
         try:
-            self.wait()
-            for key, written in self._written.items() if self.update != "scratch" else ():
-                missing = [i for i in self._local[key] if i not in written]
+            self.wait()  # raises the write errors of a WRITING generation
+            for key, written in self._written.items() if self.update.durable else ():
+                missing = [i for i in self._keys.local_indices(key) if i not in written]
                 if missing and key not in self._slot:
                     raise TierError(f"nvme tier: {key!r} shards {missing} were never written; write every local shard")
-                for i in missing if self.update == "double_slot" else ():  # in place: they are there already
+                for i in missing if self.update.slots == 2 else ():  # in place: they are there already
                     self.put(key, i, self.get(key, i).result())
             self.wait()
             if self._sync_at_commit and self._written:
@@ -398,13 +445,13 @@ class NvmeTier:
             raise self._error(e, "flushing", "data", None) from e
         slots = {**self._slot, **self._pending_slot}
         man = self._manifest(slots, self._generation + 1, dict(self._meta if metadata is None else metadata))
-        if self.update != "scratch":
+        if self.update.durable:
             try:
-                write_manifest(self.dir, man)
+                write_manifest(self.dir, man)  # unmarked: See [Note: half-updated tier]
             except OSError as e:
                 self._abort()
                 raise self._error(e, "committing", "MANIFEST", None) from e
-        self._marked = False
+        self._state = Generation.CLEAN
         self._sums.publish(self._pending_slot)
         self._generation += 1
         self._slot = slots
@@ -420,11 +467,12 @@ class NvmeTier:
     def _mark_in_progress(self) -> None:
         """Announces an in-place generation in the manifest, durably, before its first write.
 
-        The committed entries stay as they were (an interrupted generation is
-        recognised by the mark alone; its data is never read again).
+        See [Note: half-updated tier]. The committed entries stay as they were
+        (an interrupted generation is recognised by the mark alone; its data is
+        never read again). Moves :attr:`Generation.CLEAN` to ``WRITING``.
         """
         with self._lock:
-            if self._marked:
+            if self._state is not Generation.CLEAN:
                 return
             man = self._manifest(dict(self._slot), self._generation, self._meta)
             man["in_progress"] = {"generation": self._generation + 1, "metadata": self._meta}
@@ -432,11 +480,12 @@ class NvmeTier:
                 write_manifest(self.dir, man)
             except OSError as e:
                 raise self._error(e, "marking an update in progress in", "MANIFEST", None) from e
-            self._marked = True
+            self._state = Generation.WRITING
 
     def _manifest_entry(self, key: str, slot: int) -> dict[str, Any]:
-        entry = {"slot": slot, "spec": self._specs[key].to_json(), "local": self._local[key]}
-        sums = self._sums.manifest_entry(key, self._local[key], rewritten=key in self._pending_slot)
+        local = self._keys.local_indices(key)
+        entry = {"slot": slot, "spec": self._keys.spec(key).to_json(), "local": local}
+        sums = self._sums.manifest_entry(key, local, rewritten=key in self._pending_slot)
         if sums is not None:  # the digests of exactly the data in ``slot``
             entry["checksums"] = sums
         return entry
@@ -446,6 +495,8 @@ class NvmeTier:
 
         A pending slot is never the one the manifest names, so deleting it
         cannot touch committed data; after a full disk this makes room again.
+        Leaves the tier :attr:`Generation.CLEAN`, or ``BROKEN`` after an
+        in-place generation that had marked the manifest.
         """
         with self._lock:
             futs = list(self._futures)
@@ -458,9 +509,11 @@ class NvmeTier:
             self._inflight.clear()
             self._failed.clear()
         self._sums.drop_pending()
-        if self.update != "double_slot":  # the slot written is the committed one: it stays (half-updated, marked)
-            self._broken = self.update == "in_place" and self._marked
+        if self.update.slots == 1:  # the slot written is the committed one: it stays (half-updated, marked)
+            marked = self.update is UpdateMode.IN_PLACE and self._state is Generation.WRITING
+            self._state = Generation.BROKEN if marked else Generation.CLEAN  # See [Note: half-updated tier]
             return
+        self._state = Generation.CLEAN
         for key, slot in dead.items():
             self._arrays.delete(key, slot)
 
@@ -469,7 +522,7 @@ class NvmeTier:
 
     def stored_bytes(self) -> int:
         """Bytes of committed data on disk for this process."""
-        return sum(self._specs[k].shard_nbytes * len(self._local[k]) for k in self._slot)
+        return sum(self._keys.spec(k).shard_nbytes * len(self._keys.local_indices(k)) for k in self._slot)
 
     def destroy(self) -> None:
         """Closes the tier and deletes this process's directory."""

@@ -13,6 +13,9 @@ host's disk)::
 The manifest is only ever replaced whole (:func:`write_manifest`: write, fsync,
 rename, fsync the directory), so it always names one complete generation, with
 the checksums of exactly that generation's data (:mod:`zinf_jax.tiers.checksum`).
+An in-place update marks it ``"in_progress"`` before its first write and the
+commit unmarks it; a marked manifest is a half-updated directory that no opener
+uses (see [Note: half-updated tier] in :mod:`zinf_jax.tiers.nvme`).
 A manifest that does not parse is a :class:`~zinf_jax.tiers.base.TierDataError`
 naming the file, never a bare decode error.
 """
@@ -58,8 +61,8 @@ class Committed:
     sums: dict[str, dict[int, list[str]]]
     """Digests of each shard's chunk files, for the keys committed with checksums."""
     in_progress: dict[str, Any] | None = None
-    """Set while an in-place generation is being written (see :class:`~zinf_jax.tiers.nvme.NvmeTier`): the data
-    may be half-updated."""
+    """Set while an in-place generation is being written: the data may be half-updated (see
+    [Note: half-updated tier] in :mod:`zinf_jax.tiers.nvme`)."""
 
 
 def _damaged_manifest(path: Path, why: str) -> TierDataError:
@@ -184,7 +187,11 @@ def key_dir(key: str) -> str:
 
 
 def half_updated(process_dir: Path, in_progress: Mapping[str, Any]) -> TierDataError:
-    """The error for a directory whose in-place update was interrupted (its data mixes two steps)."""
+    """The error for a directory whose in-place update was interrupted (its data mixes two steps).
+
+    See [Note: half-updated tier] in :mod:`zinf_jax.tiers.nvme`: every opener, and a tier whose in-place
+    generation failed half-way, raises it.
+    """
     return TierDataError(
         f"nvme tier: {str(process_dir)!r} is half-updated: an in-place update of generation "
         f"{in_progress.get('generation')} (metadata {in_progress.get('metadata', {})}) was in progress when its "

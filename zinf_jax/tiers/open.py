@@ -6,6 +6,7 @@ from typing import Callable
 
 import jax
 
+from zinf_jax.plan.placement import UpdateMode
 from zinf_jax.tiers.base import Tier
 from zinf_jax.tiers.memory import CpuTier, DeviceTier
 from zinf_jax.tiers.nvme import NvmeTier
@@ -22,7 +23,7 @@ def open_tier(
     placement: Callable[[int], jax.Device] | None = None,
     max_in_flight_bytes: int = 1 << 30,
     direct_io: bool = False,
-    update: str = "double_slot",
+    update: str | UpdateMode = UpdateMode.DOUBLE_SLOT,
     chunk_bytes: int | None = None,
     threads: int | None = None,
 ) -> Tier:
@@ -37,12 +38,13 @@ def open_tier(
       placement: shard index to the device that owns it (memory tiers).
       max_in_flight_bytes: back-pressure bound.
       direct_io: bypass the page cache (nvme).
-      update: ``"double_slot"``, ``"in_place"`` or ``"scratch"`` (nvme; see :class:`NvmeTier`).
+      update: an :class:`~zinf_jax.plan.placement.UpdateMode` or its value, ``"double_slot"``,
+        ``"in_place"`` or ``"scratch"`` (nvme only, checked there; see :class:`NvmeTier`).
       chunk_bytes: nvme chunk file size (``None``: the tier's default).
       threads: nvme threads reading and writing chunk files (``None``: the tier's default).
 
     Raises:
-      ValueError: unknown device or missing path.
+      ValueError: unknown device, missing path, or an unknown nvme ``update``.
       TierError: the nvme path is unusable or locked.
     """
     if device == "none":

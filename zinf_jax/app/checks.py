@@ -70,7 +70,7 @@ def check_args(args: Any) -> None:
         _check_float(field, getattr(args, field))
     if args.d_model % args.n_heads:
         raise _bad("n_heads", args.n_heads, f"a divisor of --d-model {args.d_model}")
-    from zinf_jax.models import corpus
+    from zinf_jax.app.models import corpus
 
     longest = len(corpus()) - 2
     if args.seq > longest:

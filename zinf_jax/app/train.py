@@ -9,8 +9,8 @@ data position is a pure function of it; the data position, the RNG state and
 the loss scaler are in the checkpoint).
 
 The run directory is locked for the whole run, never silently reused (see
-:mod:`zinf_jax.rundir`), and signals only request a stop at a safe point (see
-:mod:`zinf_jax.interrupts`).
+:mod:`zinf_jax.app.rundir`), and signals only request a stop at a safe point (see
+:mod:`zinf_jax.app.interrupts`).
 """
 from __future__ import annotations
 
@@ -28,16 +28,17 @@ import jax
 import numpy as np
 from flax import nnx
 
-from zinf_jax import rundir
 from zinf_jax.api import Engine, close_quietly, initialize, restore
-from zinf_jax.checkpoint import CheckpointError, META
-from zinf_jax.config import ConfigError, Offload, ZeroConfig
-from zinf_jax.interrupts import Interrupted, StopRequest
-from zinf_jax.models import GPT, GPTConfig, batch_at, corpus, lm_loss
+from zinf_jax.app import rundir
+from zinf_jax.app.checks import check_args, check_batch
+from zinf_jax.app.interrupts import Interrupted, StopRequest
+from zinf_jax.app.models import GPT, GPTConfig, batch_at, corpus, lm_loss
+from zinf_jax.app.progress import Progress
+from zinf_jax.checkpoint import policies
+from zinf_jax.checkpoint.format import META, is_complete
+from zinf_jax.config import Offload, ZeroConfig
+from zinf_jax.errors import CheckpointError, ConfigError, NonFiniteLossError, TierError
 from zinf_jax.optim import adamw
-from zinf_jax.progress import Progress
-from zinf_jax.tiers import TierError
-from zinf_jax.train_checks import check_args, check_batch
 
 __all__ = ["TrainArgs", "train", "build_config", "check_args", "Interrupted", "NonFiniteLossError",
            "MAX_NONFINITE_IN_A_ROW"]
@@ -47,10 +48,6 @@ PROFILE_STEPS = range(1, 4)
 
 MAX_NONFINITE_IN_A_ROW = 10
 """Consecutive steps with a non-finite loss after which the job stops (they change nothing: they are skipped)."""
-
-
-class NonFiniteLossError(RuntimeError):
-    """The run ended with a non-finite loss (diverged, or a corrupt state); the exit status is 1."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -187,7 +184,7 @@ def _restore_newest_good(ckpt: Path, args: TrainArgs, config: ZeroConfig, out: T
     ctor, kw = _engine_kwargs(args, config)
     bad: list[tuple[Path, str]] = []
     for d in dirs:
-        if not (d / META).is_file():
+        if not is_complete(d):
             bad.append((d, f"no {META} (an interrupted or damaged save)"))
             continue
         rundir.clear_tier_state(_nvme_paths(args, config))
@@ -227,6 +224,7 @@ class _Run:
     data_pos: int
     saved: Path | None = None
     saved_step: int | None = None
+    policy: policies.SaveDecisionPolicy | None = None  # when the loop saves (default: every args.save_every)
     losses: list[float] = dataclasses.field(default_factory=list)
     rates: list[float] = dataclasses.field(default_factory=list)
     nonfinite_in_a_row: int = 0
@@ -243,6 +241,7 @@ class _Run:
 def _loop(run: _Run, log: TextIO, out: TextIO, stop: StopRequest, seed: int) -> None:
     """Steps until ``args.steps`` optimizer steps are applied, a stop is requested or the loss stays non-finite."""
     args, engine, data = run.args, run.engine, corpus()
+    run.policy = run.policy or policies.from_knobs(args.save_every)
     bar = Progress(args.steps, engine.step, out, args.progress)
     tracing, steps_run = False, 0
     try:
@@ -263,7 +262,7 @@ def _loop(run: _Run, log: TextIO, out: TextIO, stop: StopRequest, seed: int) -> 
             log.write(json.dumps({k: v for k, v in m.items() if isinstance(v, (int, float, str, bool))}) + "\n")
             log.flush()
             bar.update(engine.step, m)
-            if not m["skipped"] and args.save_every and engine.step % args.save_every == 0:
+            if not m["skipped"] and policies.should_save(run.policy, engine.step):
                 run.save()
             run.nonfinite_in_a_row = 0 if math.isfinite(m["loss"]) else run.nonfinite_in_a_row + 1
             if run.nonfinite_in_a_row >= MAX_NONFINITE_IN_A_ROW:
@@ -383,7 +382,7 @@ def train(args: TrainArgs, *, out: TextIO | None = None, stop: StopRequest | Non
 
     Raises:
       ValueError: a bad setting (``--flag VALUE: what is allowed``), or the run
-        dir is in use or holds another run (:class:`~zinf_jax.rundir.RunDirError`).
+        dir is in use or holds another run (:class:`~zinf_jax.app.rundir.RunDirError`).
       ConfigError, TierError, CheckpointError: bad input, with a clear message.
       Interrupted: a signal came before the first step (nothing saved).
       NonFiniteLossError: the final loss is not finite.

@@ -15,13 +15,14 @@ import math
 import os
 import sys
 
-from zinf_jax.interrupts import Interrupted, StopRequest
+from zinf_jax.app.interrupts import StopRequest
+from zinf_jax.errors import Interrupted, NonFiniteLossError, ZinfError
 
 __all__ = ["main"]
 
 
 def _train_parser(sub: argparse._SubParsersAction) -> None:
-    from zinf_jax.train import TrainArgs
+    from zinf_jax.app.train import TrainArgs
 
     p = sub.add_parser("train", help="train the bundled GPT on CPython's help text (nvme tiers by default)")
     for f in dataclasses.fields(TrainArgs):
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``zinf-jax`` console script. Returns the exit code.
 
     SIGINT, SIGTERM and SIGHUP are turned into a stop request first thing (see
-    :mod:`zinf_jax.interrupts`), so no interrupt can land inside compilation.
+    :mod:`zinf_jax.app.interrupts`), so no interrupt can land inside compilation.
     """
     stop = StopRequest(fd=_stderr_fd()).install()
     try:
@@ -92,20 +93,13 @@ def _main(argv: list[str] | None, stop: StopRequest) -> int:
     ins = sub.add_parser("inspect", help="what a checkpoint or an nvme tier directory holds")
     ins.add_argument("dir")
     a = parser.parse_args(argv)
-    from zinf_jax.checkpoint import CheckpointError
-    from zinf_jax.config import ConfigError
-    from zinf_jax.engine.store import ParamMismatchError
-    from zinf_jax.tiers import TierError
-    from zinf_jax.train import NonFiniteLossError
-    from zinf_jax.units import UnitPolicyError
-
     try:
         if a.command == "train":
             return _train(a, stop)
         stop.restore()  # the other commands are short: a signal interrupts them the ordinary way
         stop.check("startup")
         if a.command == "inspect":
-            from zinf_jax.inspect import inspect_dir
+            from zinf_jax.app.inspect import inspect_dir
 
             print(inspect_dir(a.dir))
             return 0
@@ -130,17 +124,17 @@ def _main(argv: list[str] | None, stop: StopRequest) -> int:
     except Interrupted as e:
         print(f"zinf-jax {a.command}: {e}", file=sys.stderr)
         return e.exit_code
-    except (ConfigError, TierError, CheckpointError, ParamMismatchError, UnitPolicyError, ValueError, OSError) as e:
-        print(f"zinf-jax {a.command}: error: {e}", file=sys.stderr)
-        return 2
     except (NonFiniteLossError, FloatingPointError) as e:  # the run failed: diverged, loss-scale underflow
         print(f"zinf-jax {a.command}: error: {e}", file=sys.stderr)
         return 1
+    except (ZinfError, ValueError, OSError) as e:  # bad input: a flag, a config, a checkpoint, a tier, the run dir
+        print(f"zinf-jax {a.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 def _train(a: argparse.Namespace, stop: StopRequest) -> int:
     """``zinf-jax train``: checks every flag, then runs the main job under ``stop``."""
-    from zinf_jax.train import TrainArgs, check_args, train
+    from zinf_jax.app.train import TrainArgs, check_args, train
 
     args = TrainArgs(**{f.name: getattr(a, f.name) for f in dataclasses.fields(TrainArgs)})
     check_args(args)  # before anything is built

@@ -1,18 +1,12 @@
-"""The main job's one-line live progress display (no dependency)."""
+"""The main job's one-line live progress display (standard library only)."""
 from __future__ import annotations
 
 import time
 from typing import Any, TextIO
 
+from zinf_jax._internal.fmt import human_bytes
+
 __all__ = ["Progress"]
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1024 or unit == "TB":
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-        n /= 1024
-    return str(n)
 
 
 class Progress:
@@ -38,8 +32,8 @@ class Progress:
         el = time.perf_counter() - self.t0
         eta = el / max(done, 1e-9) - el
         line = (f"\rstep {step}/{self.total} [{bar}] loss {m['loss']:.4f} {m['tokens_per_s']:.0f} tok/s "
-                f"dev {_human(m['peak_device_bytes'])} host {_human(m['bytes_host'])} "
-                f"nvme {_human(m['bytes_nvme'])} eta {eta:.0f}s ")
+                f"dev {human_bytes(m['peak_device_bytes'], '')} host {human_bytes(m['bytes_host'], '')} "
+                f"nvme {human_bytes(m['bytes_nvme'], '')} eta {eta:.0f}s ")
         self.out.write(line)
         self.out.flush()
 

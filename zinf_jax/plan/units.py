@@ -16,12 +16,9 @@ import dataclasses
 import math
 import re
 from typing import Any, Iterable, Mapping, Sequence
+from zinf_jax.errors import UnitPolicyError
 
 __all__ = ["UnitPolicy", "Unit", "Plan", "UnitPolicyError", "select_units", "path_str"]
-
-
-class UnitPolicyError(ValueError):
-    """The unit policy leaves a large parameter outside every unit, or is inconsistent."""
 
 
 def path_str(path: Iterable[Any]) -> str:

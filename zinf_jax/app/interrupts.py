@@ -15,23 +15,11 @@ import os
 import signal
 import threading
 from typing import Any
+from zinf_jax.errors import Interrupted
 
 __all__ = ["StopRequest", "Interrupted", "SIGNALS"]
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-class Interrupted(Exception):
-    """A stop was requested before the job had anything to save.
-
-    Attributes:
-      signum: the signal received.
-      exit_code: ``128 + signum`` (130 for SIGINT, 143 for SIGTERM, 129 for SIGHUP).
-    """
-
-    def __init__(self, signum: int, where: str):
-        self.signum, self.exit_code = signum, 128 + signum
-        super().__init__(f"interrupted by {signal.Signals(signum).name} during {where}: nothing trained, nothing saved")
 
 
 class StopRequest:

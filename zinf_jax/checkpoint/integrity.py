@@ -25,45 +25,14 @@ import zlib
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-import jax
-import numpy as np
-from jax.experimental import multihost_utils
+from zinf_jax._internal.fs import write_json
+from zinf_jax._internal.multihost import Procs
+from zinf_jax.checkpoint.format import CHECKSUMS, PARTIAL
+from zinf_jax.errors import CheckpointError
 
-__all__ = ["CheckpointError", "CHECKSUMS", "Procs", "read_json", "write_json", "read_table", "write_checksums",
-           "verify"]
+__all__ = ["CheckpointError", "read_json", "read_table", "write_checksums", "verify"]
 
-CHECKSUMS = "checksums.json"
-PARTIAL = ".crc_process_"  # one process's share of the table while a multi-process save assembles it
 _BLOCK = 8 << 20
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, incomplete, damaged, or of another model; the message names the file."""
-
-
-class Procs:
-    """The job's processes, for the steps process 0 does for all (every call is trivial with one process).
-
-    Args:
-      tag: names the barriers of one operation (the same on every process).
-    """
-
-    def __init__(self, tag: str):
-        self.count, self.index = jax.process_count(), jax.process_index()
-        self.primary = self.index == 0
-        self._tag, self._n = tag, 0
-
-    def sync(self, what: str) -> None:
-        """A barrier of all processes."""
-        if self.count > 1:
-            self._n += 1
-            multihost_utils.sync_global_devices(f"{self._tag}:{self._n}:{what}")
-
-    def gather(self, x: int) -> list[int]:
-        """Every process's ``x`` (``[0]`` is process 0's: a broadcast)."""
-        if self.count == 1:
-            return [int(x)]
-        return [int(v) for v in np.ravel(multihost_utils.process_allgather(np.int32(x)))]
 
 
 def read_json(path: Path, what: str) -> Any:
@@ -75,14 +44,6 @@ def read_json(path: Path, what: str) -> Any:
         raise CheckpointError(f"checkpoint {what} {str(path)!r} is missing") from e
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"checkpoint {what} {str(path)!r} is unreadable or damaged: {e}") from e
-
-
-def write_json(path: Path, data: Any) -> None:
-    """Writes ``data`` as JSON and makes it durable (fsync)."""
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1, default=str)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def list_files(step_dir: Path) -> list[str]:
@@ -119,9 +80,9 @@ def write_checksums(tmp: Path, procs: Procs) -> None:
     names = list_files(tmp)
     part = {n: file_crc(tmp / n, sync=True) for n in names[procs.index::procs.count]}
     if procs.count == 1:
-        write_json(tmp / CHECKSUMS, part)
+        write_json(tmp / CHECKSUMS, part, indent=1)
         return
-    write_json(tmp / f"{PARTIAL}{procs.index}.json", part)
+    write_json(tmp / f"{PARTIAL}{procs.index}.json", part, indent=1)
     procs.sync("checksums")
     if procs.primary:
         table: dict[str, list] = {}
@@ -129,7 +90,7 @@ def write_checksums(tmp: Path, procs: Procs) -> None:
             p = tmp / f"{PARTIAL}{i}.json"
             table.update(read_json(p, "checksum share"))
             p.unlink()
-        write_json(tmp / CHECKSUMS, dict(sorted(table.items())))
+        write_json(tmp / CHECKSUMS, dict(sorted(table.items())), indent=1)
 
 
 def read_table(step_dir: Path) -> dict[str, list]:

@@ -10,7 +10,9 @@ import math
 import os
 from pathlib import Path
 
-from zinf_jax.checkpoint import CheckpointError, META, latest_step_dir, read_meta
+from zinf_jax.checkpoint import format as fmt
+from zinf_jax.checkpoint.restore import latest_step_dir, read_meta
+from zinf_jax.errors import CheckpointError
 from zinf_jax.tiers.base import ShardSpec
 from zinf_jax.tiers.nvme import MANIFEST, read_manifest
 
@@ -83,6 +85,6 @@ def inspect_dir(directory: str | os.PathLike) -> str:
     d = Path(directory)
     if not d.exists():
         raise CheckpointError(f"{str(d)!r} does not exist")
-    if (d / META).exists() or any(d.glob(f"step_*/{META}")):
+    if fmt.is_complete(d) or fmt.list_steps(d):
         return describe_checkpoint(latest_step_dir(d))
     return describe_tier(d)

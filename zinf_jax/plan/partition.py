@@ -30,6 +30,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from zinf_jax.config import ConfigError
 
 __all__ = [
+    "owns_shard",
     "FSDP",
     "ParamLayout",
     "make_mesh",
@@ -291,6 +292,18 @@ def shard_index_of(mesh: Mesh, device: jax.Device, zero_axes: Sequence[str] | No
     axes = zero_axes_of(mesh, zero_axes)
     coords = [int(pos[0][mesh.axis_names.index(a)]) for a in axes]
     return int(np.ravel_multi_index(coords, [mesh.shape[a] for a in axes])) if axes else 0
+
+
+def owns_shard(mesh: Mesh, layout: ParamLayout, index: int, zero_axes: Sequence[str] | None = None) -> bool:
+    """Whether this process writes shard ``index`` of a parameter (once per job, wherever it is replicated).
+
+    A sharded parameter's shard is written by the lowest process holding a device of that shard
+    index; a persistent one (``layout.dim is None``, whole on every device) by process 0.
+    """
+    if layout.dim is None:
+        return jax.process_index() == 0
+    holders = [d.process_index for d in mesh.devices.flat if shard_index_of(mesh, d, zero_axes) == index]
+    return min(holders) == jax.process_index()
 
 
 def local_shard_devices(mesh: Mesh, zero_axes: Sequence[str] | None = None) -> dict[int, list[jax.Device]]:

@@ -8,7 +8,7 @@ Event loop is closed`` (hundreds of lines, some long after the save returned).
 ``asyncio`` during a save (shown as usual if it succeeds), and drops, later
 too, the ones that name the temporary directory of a failed save, and the
 closed-loop reports during a save and in the minute after a failed one. :func:`write_error` turns the failure
-into one :class:`~zinf_jax.ckpt_integrity.CheckpointError` line. After a failure
+into one :class:`~zinf_jax.checkpoint.integrity.CheckpointError` line. After a failure
 the temporary directory is removed only once orbax's writer threads of that save
 have ended and nothing recreates it (tensorstore finishes pending writes late).
 """
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from zinf_jax.ckpt_integrity import CheckpointError
+from zinf_jax.errors import CheckpointError
 
 __all__ = ["orbax_noise_held", "write_error"]
 

@@ -13,8 +13,8 @@ import os
 import warnings
 from typing import Any, Callable, Mapping
 
-from zinf_jax.config import (OPTIMIZERS, AioConfig, ConfigError, LossScaleConfig, Offload, OptimizerConfig,
-                             ZeroConfig, _as_int, _as_other, _as_float, _BOOL, _NONNEG, _Invalid)
+from zinf_jax.config.fields import BOOL, NONNEG, OPTIMIZERS, Invalid, as_float, as_int, as_other
+from zinf_jax.errors import ConfigError
 
 __all__ = ["parse_deepspeed"]
 
@@ -54,7 +54,7 @@ class _Section:
             return default if value is None else value
         try:
             return convert(value, *args)
-        except _Invalid as e:
+        except Invalid as e:
             raise ConfigError(f"{key}: expected {e}, got {value!r}") from None
 
     def section(self, name: str) -> _Section:
@@ -79,8 +79,22 @@ class _Section:
             raise ConfigError(f"{self.key(fields[e.field])}: {e.detail}", field=e.field, detail=e.detail) from None
 
 
-def parse_deepspeed(path_or_dict: Any) -> ZeroConfig:
-    """Implements :meth:`zinf_jax.ZeroConfig.from_deepspeed` (see there)."""
+def _sections(config_cls: type) -> dict[str, type]:
+    """The config class of each nested section of ``config_cls`` (``offload_param`` -> ``Offload``...)."""
+    return {f.name: f.metadata["nested"] for f in dataclasses.fields(config_cls) if f.metadata["nested"]}
+
+
+def parse_deepspeed(path_or_dict: Any, config_cls: type) -> Any:
+    """Implements :meth:`zinf_jax.ZeroConfig.from_deepspeed` (see there).
+
+    Args:
+      path_or_dict: a path to the JSON file, or the parsed dict.
+      config_cls: the class to build (``ZeroConfig``); its nested sections' classes come from its fields,
+        so this module needs nothing of :mod:`zinf_jax.config.zero` (which imports it).
+    """
+    section_cls = _sections(config_cls)
+    Offload, AioConfig = section_cls["offload_param"], section_cls["aio"]
+    LossScaleConfig, OptimizerConfig = section_cls["loss_scale"], section_cls["optimizer"]
     data, source = path_or_dict, "(dict)"
     if not isinstance(data, Mapping):
         source = os.fspath(path_or_dict)
@@ -95,36 +109,36 @@ def parse_deepspeed(path_or_dict: Any) -> ZeroConfig:
             raise ConfigError(f"DeepSpeed config {source}: expected a JSON object at the top, got {data!r:.40}")
     top = _Section(data, "", sections=[], auto=[])
     zero = top.section("zero_optimization")
-    if (stage := zero.get("stage", _as_int, default=None)) != 3:
+    if (stage := zero.get("stage", as_int, default=None)) != 3:
         got = "no stage" if stage is None else stage
         raise ConfigError("zero_optimization.stage: zinf_jax implements ZeRO stage 3 / ZeRO-Infinity only "
                           f'(accepted value: 3), got {got}; set "zero_optimization": {{"stage": 3}}')
     bf16 = top.section("bfloat16" if "bfloat16" in data and "bf16" not in data else "bf16")
     fp16 = top.section("fp16")
-    use_bf16 = bf16.get("enabled", _as_other, *_BOOL, default=False)
-    use_fp16 = fp16.get("enabled", _as_other, *_BOOL, default=False)
+    use_bf16 = bf16.get("enabled", as_other, *BOOL, default=False)
+    use_fp16 = fp16.get("enabled", as_other, *BOOL, default=False)
     if use_bf16 and use_fp16:
         raise ConfigError(f"{bf16.prefix}enabled, fp16.enabled: accepted values: at most one of them true, got both")
     was_auto = f"{bf16.prefix}enabled" in top.auto or "fp16.enabled" in top.auto  # then let the platform decide
     dtype = "bfloat16" if use_bf16 else "float16" if use_fp16 else None if was_auto else "float32"
     optimizer = None
     if (opt := top.section("optimizer")).data:
-        if (kind := opt.get("type", _as_other, *_DS_OPTIMIZER, default=None)) is None:
+        if (kind := opt.get("type", as_other, *_DS_OPTIMIZER, default=None)) is None:
             raise ConfigError("optimizer.type: missing; accepted values: 'Adam', 'AdamW'")
         params = opt.section("params")
-        adam_w = params.get("adam_w_mode", _as_other, *_BOOL, default=True)  # DeepSpeed: "Adam" is AdamW by default
-        b1, b2 = params.get("betas", _as_other, *_BETAS, default=(OptimizerConfig.b1, OptimizerConfig.b2))
+        adam_w = params.get("adam_w_mode", as_other, *BOOL, default=True)  # DeepSpeed: "Adam" is AdamW by default
+        b1, b2 = params.get("betas", as_other, *_BETAS, default=(OptimizerConfig.b1, OptimizerConfig.b2))
         name = "adamw" if kind.lower() == "adamw" or adam_w else "adam"
         optimizer = params.build(OptimizerConfig, name=name, b1=b1, b2=b2)
-    max_live = zero.get("stage3_max_live_parameters", _as_int, 1, default=None)
+    max_live = zero.get("stage3_max_live_parameters", as_int, 1, default=None)
     config = zero.build(
-        ZeroConfig, offload_param=zero.section("offload_param").build(Offload),
+        config_cls, offload_param=zero.section("offload_param").build(Offload),
         offload_optimizer=zero.section("offload_optimizer").build(Offload, buffer_count=4),  # DeepSpeed's default
         aio=top.section("aio").build(AioConfig),
         max_live_bytes=None if max_live is None else max_live * (2 if dtype in ("bfloat16", "float16") else 4),
         compute_dtype=dtype, loss_scale=fp16.build(LossScaleConfig, enabled=use_fp16 or None),
-        optimizer=optimizer, gradient_clipping=top.get("gradient_clipping", _as_float, *_NONNEG, default=0.0),
-        gradient_accumulation_steps=top.get("gradient_accumulation_steps", _as_int, 1, default=1))
+        optimizer=optimizer, gradient_clipping=top.get("gradient_clipping", as_float, *NONNEG, default=0.0),
+        gradient_accumulation_steps=top.get("gradient_accumulation_steps", as_int, 1, default=1))
     unused = sorted(f"{s.prefix}{k}" for s in top.sections for k in s.data if k not in s.used)
     notes = [f"{what}: {', '.join(keys)}" for what, keys in [("keys not used by zinf_jax", unused),
              ("'auto' replaced by the zinf_jax default", sorted(top.auto))] if keys]

@@ -18,23 +18,18 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import re
 import shutil
-import uuid
 from pathlib import Path
 from typing import Iterable
+
+from zinf_jax.checkpoint import format as fmt
+from zinf_jax.errors import RunDirError
+from zinf_jax.plan.placement import TIER_SUBDIRS
 
 __all__ = ["RunDirError", "RunLock", "check_reuse", "clear_tier_state", "remove_stale", "step_dirs", "set_aside",
            "TIER_SUBDIRS"]
 
 LOCK = ".lock"
-TIER_SUBDIRS = ("params", "optimizer", "grads")  # the subdirectories the engine's nvme tiers use under an offload path
-_STEP_DIR = re.compile(r"step_(\d+)")
-_STALE = (".tmp_step_*", ".del_step_*")  # a save or a retention delete that a kill interrupted
-
-
-class RunDirError(ValueError):
-    """The run directory is in use, or holds another run's state."""
 
 
 def _holder(f) -> str:
@@ -84,10 +79,7 @@ class RunLock:
 
 def step_dirs(ckpt: Path) -> list[Path]:
     """Every ``step_<N>`` directory under ``ckpt`` (with or without its metadata), newest first."""
-    if not ckpt.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in ckpt.iterdir() if (m := _STEP_DIR.fullmatch(p.name)) and p.is_dir()]
-    return [p for _, p in sorted(found, reverse=True)]
+    return [p for _, p in reversed(fmt.list_steps(ckpt, complete=False))]
 
 
 def _tier_dirs(nvme_paths: Iterable[str]) -> list[Path]:
@@ -187,9 +179,7 @@ def remove_stale(ckpt: Path) -> list[str]:
 
     Call it with the run directory's lock held (no save of this run is in flight).
     """
-    if not ckpt.is_dir():
-        return []
-    stale = sorted({p for pattern in _STALE for p in ckpt.glob(pattern) if p.is_dir()})
+    stale = fmt.leftovers(ckpt)
     for p in stale:
         shutil.rmtree(p)
     return [p.name for p in stale]
@@ -204,6 +194,4 @@ def set_aside(step_dir: Path) -> Path:
     Returns:
       The new path (``<ckpt>/.bad_step_<N>_<id>``).
     """
-    dest = step_dir.with_name(f".bad_{step_dir.name}_{uuid.uuid4().hex[:8]}")
-    os.rename(step_dir, dest)
-    return dest
+    return fmt.set_aside(step_dir, fmt.BAD)

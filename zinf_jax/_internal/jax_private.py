@@ -1,0 +1,41 @@
+"""The one module that touches ``jax._src``: JAX internals the engine needs, behind public names.
+
+The engine cuts a traced loss into compiled segments and re-runs parts of a traced
+constructor, which needs a few jaxpr utilities JAX does not export. Everything
+with a public home is taken from there (``jax.extend.core``, ``jax.core``); only
+the rest reaches into ``jax._src``, here and nowhere else (a layering test in
+the suite enforces it).
+
+Checked against JAX 0.6 - 0.10.2 (``pyproject.toml``: ``jax>=0.6``). If a JAX
+release moves one of the private names below, this is the file to change:
+
+==========================  ====================================  =====================
+name                        from                                  used by
+==========================  ====================================  =====================
+``ClosedJaxpr``, ``Jaxpr``  ``jax.extend.core`` (public)          ``engine/glue``
+``Var``, ``DropVar``,       ``jax.extend.core`` (public)          ``engine/glue``
+``Literal``, ``DebugInfo``
+``jaxpr_as_fun``            ``jax.extend.core`` (public)          ``engine/glue``
+``ShapedArray``,            ``jax.core`` (public)                 ``engine/glue``,
+``eval_jaxpr``                                                    ``engine/adapters``
+``join_effects``            ``jax._src.core`` (private)           ``engine/glue``
+``convert_constvars_jaxpr`` ``jax._src.interpreters.partial_eval``  ``engine/adapters``
+``dce_jaxpr``               ``jax._src.interpreters.partial_eval``  ``engine/adapters``
+==========================  ====================================  =====================
+"""
+from __future__ import annotations
+
+from jax._src import core as _core  # private: join_effects has no public home (JAX 0.10.2)
+from jax._src.interpreters import partial_eval as _pe  # private: jaxpr rewriting (JAX 0.10.2)
+from jax.core import ShapedArray, eval_jaxpr
+from jax.extend.core import ClosedJaxpr, DebugInfo, DropVar, Jaxpr, Literal, Primitive, Var, jaxpr_as_fun
+
+__all__ = ["ClosedJaxpr", "DebugInfo", "DropVar", "Jaxpr", "Literal", "Primitive", "Var", "jaxpr_as_fun",
+           "ShapedArray", "eval_jaxpr", "join_effects", "convert_constvars_jaxpr", "dce_jaxpr"]
+
+join_effects = _core.join_effects
+"""The union of effect sets (of a segment's equations)."""
+convert_constvars_jaxpr = _pe.convert_constvars_jaxpr
+"""A jaxpr whose constants become its leading inputs."""
+dce_jaxpr = _pe.dce_jaxpr
+"""Dead-code elimination: ``(jaxpr, used_outputs) -> (smaller jaxpr, used_inputs)``."""

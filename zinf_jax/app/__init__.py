@@ -1,0 +1,15 @@
+"""The ``zinf-jax`` command and its main job: an application on top of the library.
+
+* :mod:`~zinf_jax.app.cli`: ``zinf-jax train | estimate | inspect``; parses flags, maps errors to exit codes.
+* :mod:`~zinf_jax.app.interrupts`: signals turned into a stop request at a safe point (installed
+  before JAX loads: this package imports nothing heavy at the top).
+* :mod:`~zinf_jax.app.train`: the main job's loop: build or resume, train, save, report.
+* :mod:`~zinf_jax.app.checks`: every flag checked before anything is built.
+* :mod:`~zinf_jax.app.rundir`: the run directory: lock, reuse refusal, leftovers of killed saves.
+* :mod:`~zinf_jax.app.progress`: the live progress line.
+* :mod:`~zinf_jax.app.inspect`: what a checkpoint or an nvme tier holds, as text.
+* :mod:`~zinf_jax.app.models`: the demo GPT and its corpus (also importable as ``zinf_jax.models``).
+
+The library never imports this package (a layering test in the suite enforces it), except the
+``zinf_jax.models`` re-export kept for its old import path.
+"""

@@ -1,0 +1,36 @@
+"""Hooks and executors: a Flax model run unit by unit over parameters that live in tiers.
+
+The modules, in data-flow order:
+
+* wrapping the model: :mod:`~zinf_jax.engine.adapters` (the ``Adapter``/``Hook`` protocols),
+  :mod:`~zinf_jax.engine.nnx_adapter`, :mod:`~zinf_jax.engine.linen_adapter`, and
+  :mod:`~zinf_jax.engine.wrap` (which adapter for which model, which params are trained);
+* creating the parameters: :mod:`~zinf_jax.engine.pretrained` (values given by the user),
+  :mod:`~zinf_jax.engine.init` (unit by unit, sharded, never the whole model in RAM);
+* holding them: :mod:`~zinf_jax.engine.store` (params in a tier, compute dtype, stored form),
+  :mod:`~zinf_jax.engine.prefetch` (the next units' reads in flight);
+* running units: :mod:`~zinf_jax.engine.programs` (one compiled program per unit signature),
+  :mod:`~zinf_jax.engine.glue` (the loss traced once, cut at unit calls into compiled segments),
+  :mod:`~zinf_jax.engine.streamed` (the ``custom_vjp`` hooks: fetch, run, release; backward:
+  fetch, recompute, vjp), :mod:`~zinf_jax.engine.grads` (gradients reduce-scattered to a sink),
+  :mod:`~zinf_jax.engine.hostmem` (freed host pages returned);
+* stepping: :mod:`~zinf_jax.engine.batching` (a batch on the mesh, micro-batches),
+  :mod:`~zinf_jax.engine.overlap` (the write gate), :mod:`~zinf_jax.engine.lifecycle`
+  (ready / looping / closed), :mod:`~zinf_jax.engine.build` (everything wired once into
+  ``Components``), :mod:`~zinf_jax.engine.stepping` (``train_step`` and ``train_steps``).
+
+Design: the streamed engine is an eager interpreter. Each unit call of the wrapped model is a
+``jax.custom_vjp`` run outside ``jit``; JAX runs its rules on concrete arrays in call order
+(forward) and reverse call order (backward), so they may do I/O between unit programs. The unit
+order is known after one abstract trace (a static plan, not a recording). The parts receive one
+frozen ``Components`` object, never the public ``Engine`` (:mod:`zinf_jax.api`), which only
+delegates to them.
+
+[Note: write gate]
+``engine.train_steps`` runs step N's optimizer on a worker thread while step N+1's forward goes on.
+The optimizer updates parameters in the next forward's order (glue first, then units in call
+order); every fetch of a unit waits on :class:`~zinf_jax.engine.overlap.WriteGate` until all of
+that unit's new values are written (and the norm all-reduce, a collective, is done), and the next
+backward waits until the optimizer has read every gradient. So each number equals sequential
+``train_step`` calls, bitwise. Enforced in ``stepping`` and ``streamed`` where cited by name.
+"""

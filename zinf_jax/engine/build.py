@@ -1,0 +1,163 @@
+"""Wiring an engine once: tiers, optimizer, parameter store, streamed model, into :class:`Components`.
+
+:func:`build` opens the tiers that :func:`~zinf_jax.plan.placement.place` names, the streamed
+optimizer over the optimizer tier, the :class:`~zinf_jax.engine.store.ParamStore` over the param
+tier, creates the parameters unit by unit (``init="fresh"``; a restore fills them from a
+checkpoint instead) and the :class:`~zinf_jax.engine.streamed.StreamedModel` whose hooks run
+the units. The result is one small frozen object that the training steps
+(:class:`~zinf_jax.engine.stepping.Stepper`) and the checkpoint state
+(:class:`~zinf_jax.checkpoint.state.TrainingState`) receive, instead of the whole
+:class:`~zinf_jax.api.Engine`: nothing below the API reaches into the engine.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from zinf_jax._internal.multihost import allreduce_sum
+from zinf_jax.config import ZeroConfig
+from zinf_jax.engine.grads import GradSink
+from zinf_jax.engine.init import init_unit_by_unit
+from zinf_jax.engine.lifecycle import LifeCycle
+from zinf_jax.engine.overlap import WriteGate
+from zinf_jax.engine.pretrained import Pretrained
+from zinf_jax.engine.store import ParamStore, local_indices_of
+from zinf_jax.engine.streamed import ParamLoss, StreamedModel
+from zinf_jax.engine.wrap import trainable_paths
+from zinf_jax.optim.choose import loss_scaling, with_clipping
+from zinf_jax.optim.driver import StreamedOptimizer
+from zinf_jax.plan.partition import ParamLayout, local_shard_devices, owns_shard, plan_partition, split_local
+from zinf_jax.plan.placement import Placement, TierPlacement, place
+from zinf_jax.tiers import Tier, open_tier
+
+__all__ = ["Components", "build", "close_quietly"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class Components:
+    """An engine's parts, wired once by :func:`build` (the references never change; their contents do).
+
+    Attributes:
+      adapter: the model's adapter (NNX or Linen): units, abstract params, the wrapped model.
+      config: the settings.
+      mesh: the device mesh.
+      layouts: how each parameter is partitioned, by path.
+      trainable: the paths that are trained (the others are frozen).
+      compute_dtype: the resolved compute dtype.
+      placement: which tier holds what.
+      param_tier, opt_tier: the compute-dtype param shards; the fp32 master and optimizer states.
+      grad_tier: the scratch gradient tier, or None.
+      optimizer: the streamed optimizer over ``opt_tier``.
+      store: the parameters in ``param_tier`` (and, shared, the optimizer's master).
+      streamed: the streamed forward/backward.
+      gate: the write gate of overlapped steps (see :mod:`zinf_jax.engine.overlap`).
+      life: the engine's life cycle.
+      user_state: JSON data saved with each checkpoint (the engine's ``user_state``).
+    """
+
+    adapter: Any
+    config: ZeroConfig
+    mesh: Mesh
+    layouts: dict[str, ParamLayout]
+    trainable: frozenset[str]
+    compute_dtype: str
+    placement: Placement
+    param_tier: Tier
+    opt_tier: Tier
+    grad_tier: Tier | None
+    optimizer: StreamedOptimizer
+    store: ParamStore
+    streamed: StreamedModel
+    gate: WriteGate
+    life: LifeCycle = dataclasses.field(default_factory=LifeCycle)
+    user_state: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def tiers(self) -> list[Tier]:
+        """The open tiers, param tier first."""
+        return [t for t in (self.param_tier, self.opt_tier, self.grad_tier) if t is not None]
+
+
+def close_quietly(closable: Any) -> None:
+    """Closes a tier or engine while another error is on its way out (that one is the one to report)."""
+    with contextlib.suppress(Exception):
+        closable.close()
+
+
+def _open(where: TierPlacement, config: ZeroConfig, device_of: Callable[[int], jax.Device]) -> Tier:
+    return open_tier(where.device, path=where.path, subdir=where.subdir, host_memory=where.host_memory,
+                     direct_io=where.direct_io, update=where.update.value, placement=device_of,
+                     max_in_flight_bytes=config.max_in_flight_bytes, chunk_bytes=config.aio.block_size,
+                     threads=config.aio.intra_op_parallelism)
+
+
+def build(adapter: Any, *, config: ZeroConfig, mesh: Mesh, optimizer: Any, init: str = "fresh", track_live_arrays: bool = False, param_loss: ParamLoss | None = None,
+          trainable: Any = None, params: Any = None) -> Components:
+    """Opens the tiers, builds the optimizer, store and streamed model, and (``init="fresh"``) creates the params.
+
+    Args:
+      adapter: the model's adapter (:func:`~zinf_jax.engine.wrap.make_adapter`).
+      config, mesh, param_loss, trainable, params, track_live_arrays: as for
+        :func:`zinf_jax.initialize` (``optimizer`` already chosen: a rule the driver runs).
+      init: ``"fresh"`` creates the parameters (from ``params`` if given); ``"none"`` leaves the
+        tiers empty for a checkpoint restore.
+
+    A failure while building closes every tier opened so far (and releases its lock).
+    """
+    trained = trainable_paths(adapter, trainable)
+    pretrained = None if params is None else Pretrained(params, adapter.abstract_params)
+    compute_dtype = config.resolved_compute_dtype(jax.devices()[0].platform)
+    layouts = plan_partition(adapter.abstract_params, mesh, config.persistence_threshold, adapter.layout_hints,
+                             config.zero_axes)
+    where = place(config, compute_dtype)
+    local = local_shard_devices(mesh, config.zero_axes)
+
+    def device_of(index: int) -> jax.Device:
+        return local.get(index, [jax.local_devices()[0]])[0]
+
+    def owner(path: str, index: int) -> bool:
+        return owns_shard(mesh, layouts[path], index, config.zero_axes)
+
+    with contextlib.ExitStack() as undo:
+        param_tier = _open(where.params, config, device_of)
+        undo.callback(close_quietly, param_tier)
+        opt_tier = _open(where.optimizer, config, device_of)
+        undo.callback(close_quietly, opt_tier)
+        grad_tier = None if where.grads is None else _open(where.grads, config, device_of)  # [Note: scratch gradients]
+        undo.callback(close_quietly, grad_tier)
+        opt = StreamedOptimizer(
+            with_clipping(optimizer, config.gradient_clipping), opt_tier,
+            {p: l for p, l in layouts.items() if p in trained},
+            local_indices=local_indices_of(layouts, mesh), owner=owner,
+            sub_group_size=config.sub_group_size, buffer_count=config.offload_optimizer.buffer_count,
+            loss_scale=loss_scaling(config, compute_dtype), allreduce=allreduce_sum, grad_tier=grad_tier,
+        )
+        opt.declare()
+        store = ParamStore(param_tier, layouts, mesh, compute_dtype, master=opt.read_state_async,
+                           master_paths=trained if where.shared_master else ())  # See [Note: shared fp32 master]
+        if init == "fresh":
+            def to_optimizer(path: str, arr: jax.Array) -> list:
+                if path not in trained:  # frozen: only its compute-dtype copy in the param tier
+                    return []
+                return [f for idx, shard in split_local(layouts[path], mesh, arr).items()
+                        for f in opt.init_shard(path, idx, np.asarray(shard, np.float32), wait=False)]
+
+            init_unit_by_unit(adapter, store, on_param=to_optimizer, metadata={"step": 0},
+                              values=None if pretrained is None else pretrained.read)
+            opt.commit({"step": 0})
+        gate = WriteGate()
+        streamed = StreamedModel(
+            adapter, store, prefetch_depth=config.prefetch_depth, max_live_bytes=config.max_live_bytes,
+            offload_activations=config.offload_activations, track_live_arrays=track_live_arrays,
+            activation_checkpointing=config.activation_checkpointing, param_loss=param_loss, trainable=trained,
+            sink=GradSink(layouts, mesh, target=opt.grads), gate=gate,
+        )
+        undo.pop_all()
+    return Components(adapter=adapter, config=config, mesh=mesh, layouts=layouts, trainable=trained,
+                      compute_dtype=compute_dtype, placement=where, param_tier=param_tier, opt_tier=opt_tier,
+                      grad_tier=grad_tier, optimizer=opt, store=store, streamed=streamed, gate=gate)
