@@ -1,12 +1,23 @@
 """Test setup: every test sees a CPU mesh of 8 XLA host devices.
 
+Layout: ``tests/<package>/test_*.py`` test the package of that name (``config``, ``plan``,
+``tiers``, ``optim``, ``engine``, ``checkpoint``; ``api`` the public API and the estimator,
+``app`` the CLI and main job), ``tests/test_layout.py`` the import layering;
+``tests/helpers/`` holds shared models and helpers (``import helpers.engine_utils``),
+``tests/workers/`` the scripts that subprocess tests run.
+
 The device count must be fixed before JAX initialises its backends, so it is
 set here, at import time, before any test module imports jax.
 """
 import atexit
 import os
 import shutil
+import sys
 import tempfile
+
+# Tests sit in one folder per package (tests/engine/, tests/tiers/, ...); their shared models and
+# helpers in tests/helpers/, the scripts subprocess tests launch in tests/workers/.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

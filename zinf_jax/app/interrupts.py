@@ -15,6 +15,7 @@ import os
 import signal
 import threading
 from typing import Any
+
 from zinf_jax.errors import Interrupted
 
 __all__ = ["StopRequest", "Interrupted", "SIGNALS"]

@@ -68,7 +68,7 @@ _SAME = ("step", "params", "groups", "states", "optimizer", "user_state")  # mus
 def _write_arrays(view: TrainingState, tmp: Path) -> None:
     ckptr = ocp.PyTreeCheckpointer()
     for k, group in enumerate(view.groups):
-        flat: dict[str, dict[str, jax.Array]] = {}
+        flat: dict[str, dict[str, Any]] = {}
         for p in group:
             for s in view.states(p):
                 flat.setdefault(s, {})[p] = global_state(view, p, s)

@@ -7,9 +7,9 @@ name ends in ``_bytes``. :meth:`ZeroConfig.from_deepspeed` reads DeepSpeed JSON 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
+
 from zinf_jax.config.deepspeed import parse_deepspeed
 from zinf_jax.config.fields import (OPTIMIZERS, BOOL, NONNEG, PATH, POSITIVE, UNIT, as_float, as_int, as_names, as_other,
                                      one_of, checked, build_from_dict, nested_field, validate)

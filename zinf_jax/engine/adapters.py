@@ -133,7 +133,6 @@ class InitTrace:
 
     def run(self, paths: Sequence[str], transform: Callable[[str, Any], Any], shardings: Sequence[Any]) -> list[Any]:
         """``transform(path, value)`` of ``paths``, computed by one compiled program, placed with ``shardings``."""
-        from jax._src import core
         want = [self._order[p] for p in paths]
         used = [False] * len(self._jaxpr.outvars)
         for i in want:

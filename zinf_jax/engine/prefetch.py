@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import jax
 
-from zinf_jax.tiers.base import done_future
+from zinf_jax._internal.futures import done_future
 
 __all__ = ["Prefetcher"]
 

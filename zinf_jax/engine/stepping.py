@@ -91,7 +91,7 @@ class Stepper:
             eng.life.check("train_steps", batch)
             grads = self._forward_backward(batch, loss)
             while True:
-                eng.gate.arm([NORM_DONE, *eng.optimizer.layouts])
+                eng.gate.arm([NORM_DONE, *eng.optimizer.layouts])  # See [Note: write gate]
                 step = self._worker().submit(self._update, grads, clear=False)
                 try:
                     batch = next(it, _END)
@@ -128,7 +128,10 @@ class Stepper:
             self._pool.shutdown(wait=True)
 
     def _grads_read(self) -> None:
-        """Before a backward that overlaps an optimizer step: wait until it has read every gradient, then clear."""
+        """Before a backward that overlaps an optimizer step: wait until it has read every gradient, then clear.
+
+        See [Note: write gate].
+        """
         self.c.gate.wait()
         self.c.streamed.sink.clear()
 
@@ -147,7 +150,7 @@ class Stepper:
         k = eng.config.gradient_accumulation_steps
         parts = micro_batches(batch, k)  # before any state changes: a batch that does not split is refused
         # an optimizer step in flight: its norm all-reduce (a collective, across processes) goes first
-        eng.gate.wait([NORM_DONE, *eng.adapter.glue_paths])
+        eng.gate.wait([NORM_DONE, *eng.adapter.glue_paths])  # See [Note: write gate]
         glue = eng.store.fetch(eng.adapter.glue_paths)
         losses, auxes = [], []
         try:

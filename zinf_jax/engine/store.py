@@ -10,7 +10,8 @@ the compiled unit program).
 With float32 compute and both tiers on NVMe, a trained parameter's tier copy
 would equal its float32 master bit for bit; the store then keeps no copy of its
 own and reads the optimizer's master instead (``master=``): one copy of the
-parameter on disk, and no parameter write after the optimizer step.
+parameter on disk, and no parameter write after the optimizer step. See
+[Note: shared fp32 master] in :mod:`zinf_jax.plan.placement`, which decides it.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from zinf_jax.plan.partition import ParamLayout, assemble_many, local_shard_devices, split_local
-from zinf_jax.tiers.base import ShardSpec, Tier, TierError, done_future
+from zinf_jax._internal.futures import done_future
+from zinf_jax.tiers.base import ShardSpec, Tier, TierError
 from zinf_jax.errors import ParamMismatchError
 
 __all__ = ["ParamStore", "ParamMismatchError", "local_indices_of"]
@@ -88,20 +90,20 @@ class ParamStore:
         dt = jnp.dtype(self.dtype_of(path))
         if stored.dtype != dt:
             stored = stored.astype(dt)
-        if path in self.master_paths:  # the optimizer's master is the copy
+        if path in self.master_paths:  # See [Note: shared fp32 master]: the optimizer's master is the copy
             return []
         lay = self.layouts[path]
         return [self.tier.put(path, i, s) for i, s in split_local(lay, self.mesh, stored).items()]
 
     def put_local(self, path: str, index: int, value: np.ndarray) -> Future:
         """Writes one local shard given as a host array (cast to the tier's dtype)."""
-        if path in self.master_paths:
+        if path in self.master_paths:  # See [Note: shared fp32 master]
             return done_future()
         return self.tier.put(path, index, value)
 
     def read_local(self, path: str, index: int) -> Future:
         """A future of one local shard as stored (a host array, or a device array on the device tier)."""
-        if path in self.master_paths:
+        if path in self.master_paths:  # See [Note: shared fp32 master]
             return self._master(path, index)
         return self.tier.get(path, index)
 

@@ -198,7 +198,7 @@ class StreamedModel:
     def _fetch(self, uid: int) -> list[jax.Array]:
         paths = self.units[uid].param_paths
         with TraceAnnotation("zinf/fetch", unit=self.units[uid].path):
-            self.gate.wait(paths)
+            self.gate.wait(paths)  # See [Note: write gate]
             return self.store.fetch(paths)
 
     def _unit_penalty(self, unit: Any) -> Penalty | None:

@@ -34,13 +34,14 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import numpy as np
 from jax.profiler import TraceAnnotation
 
+from zinf_jax._internal.futures import all_of, is_future, wait_all
 from zinf_jax.optim.grads_out import TierGrads
 from zinf_jax.optim.kernel import all_finite, sum_squares
 from zinf_jax.optim.rules import UpdateRule, make_rule
-from zinf_jax.optim.subgroups import BufferSet, Group, Pipe, is_future, sub_groups, wait_all
+from zinf_jax.optim.subgroups import BufferSet, Group, Pipe, sub_groups
 from zinf_jax.optim.scaling import LossScaler, grad_scale, init_loss_scale, update_loss_scale
 from zinf_jax.tiers.base import ShardSpec, Tier
-from zinf_jax.tiers.direct import aligned_empty, all_of
+from zinf_jax.tiers.direct import aligned_empty
 
 if TYPE_CHECKING:
     from zinf_jax.config import LossScaleConfig

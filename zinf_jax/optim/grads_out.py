@@ -34,7 +34,8 @@ from typing import Callable, Mapping
 import numpy as np
 
 from zinf_jax.optim.kernel import all_finite, sum_squares
-from zinf_jax.tiers.base import ShardSpec, Tier, done_future
+from zinf_jax._internal.futures import done_future
+from zinf_jax.tiers.base import ShardSpec, Tier
 
 __all__ = ["TierGrads", "GRAD"]
 

@@ -11,13 +11,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 from concurrent.futures import Future
-from typing import Any
 
 import numpy as np
 
 from zinf_jax.tiers.direct import aligned_empty
 
-__all__ = ["Group", "sub_groups", "BufferSet", "Pipe", "is_future", "wait_all"]
+__all__ = ["Group", "sub_groups", "BufferSet", "Pipe"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,17 +60,3 @@ class Pipe:
     current: BufferSet | None = None
     nxt: int = 0  # next sub-group to read
     t_write: float = 0.0  # seconds blocked on writes
-
-
-def is_future(x: Any) -> bool:
-    return callable(getattr(x, "result", None)) and callable(getattr(x, "done", None))
-
-
-def wait_all(futures: list, quiet: bool = False) -> None:
-    """Waits for every future; ``quiet`` (unwinding after an error) swallows their errors."""
-    for f in futures:
-        try:
-            f.result()
-        except Exception:  # noqa: BLE001
-            if not quiet:
-                raise

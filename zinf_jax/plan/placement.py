@@ -35,7 +35,7 @@ from zinf_jax.config.zero import ZeroConfig
 __all__ = ["UpdateMode", "TierPlacement", "Placement", "place", "TIER_SUBDIRS"]
 
 
-class UpdateMode(enum.Enum):
+class UpdateMode(str, enum.Enum):
     """How an nvme tier applies a step (``ZeroConfig.nvme_update`` names the first two)."""
 
     DOUBLE_SLOT = "double_slot"

@@ -16,6 +16,7 @@ import dataclasses
 import math
 import re
 from typing import Any, Iterable, Mapping, Sequence
+
 from zinf_jax.errors import UnitPolicyError
 
 __all__ = ["UnitPolicy", "Unit", "Plan", "UnitPolicyError", "select_units", "path_str"]

@@ -24,6 +24,8 @@ from concurrent.futures import Future
 from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
+
+from zinf_jax._internal.futures import done_future
 from zinf_jax.errors import TierDataError, TierError
 
 __all__ = ["ShardSpec", "Tier", "ByteBudget", "TierError", "TierDataError", "done_future", "np_dtype"]
@@ -61,13 +63,6 @@ def np_dtype(name: str) -> Any:
     import ml_dtypes  # a jax dependency; provides bfloat16 for numpy
 
     return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
-
-
-def done_future(value: Any = None) -> Future:
-    """A future that is already resolved with ``value``."""
-    f: Future = Future()
-    f.set_result(value)
-    return f
 
 
 class ByteBudget:

@@ -37,7 +37,9 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-__all__ = ["ChunkIO", "all_of", "chunk_ranges", "chunk_files", "aligned_empty", "ZARR3_CODECS", "ZARR3_KEY_ENCODING",
+from zinf_jax._internal.futures import all_of
+
+__all__ = ["ChunkIO", "chunk_ranges", "chunk_files", "aligned_empty", "ZARR3_CODECS", "ZARR3_KEY_ENCODING",
            "ALIGN"]
 
 ALIGN = 4096
@@ -92,27 +94,6 @@ def chunk_files(base: Path, arr: np.ndarray, chunk_shape: Sequence[int]) -> list
     size = arr.dtype.itemsize
     return [(base.joinpath(*map(str, grid)), flat[start * size : (start + count) * size], padded * size)
             for grid, start, count, padded in chunk_ranges(arr.shape, chunk_shape)]
-
-
-def all_of(futs: Sequence[Future]) -> Future:
-    """A future resolving when all of ``futs`` have, with the first exception if any failed."""
-    out: Future = Future()
-    left = [len(futs)]
-    lock = threading.Lock()
-
-    def one(_: Future) -> None:
-        with lock:
-            left[0] -= 1
-            last = left[0] == 0
-        if last:
-            err = next((f.exception() for f in futs if f.exception() is not None), None)
-            out.set_exception(err) if err is not None else out.set_result(None)
-
-    if not futs:
-        out.set_result(None)
-    for f in futs:
-        f.add_done_callback(one)
-    return out
 
 
 def aligned_empty(nbytes: int) -> np.ndarray:

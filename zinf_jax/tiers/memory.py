@@ -19,7 +19,8 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import numpy as np
 
-from zinf_jax.tiers.base import ByteBudget, ShardSpec, TierError, done_future, np_dtype as _np
+from zinf_jax._internal.futures import done_future
+from zinf_jax.tiers.base import ByteBudget, ShardSpec, TierError, np_dtype as _np
 from zinf_jax.tiers.keys import KeyRegistry
 
 __all__ = ["DeviceTier", "CpuTier"]

@@ -60,9 +60,10 @@ import numpy as np
 import tensorstore as ts
 
 from zinf_jax.plan.placement import UpdateMode
+from zinf_jax._internal.futures import all_of
 from zinf_jax.tiers.base import ByteBudget, ShardSpec, TierDataError, TierError, np_dtype
 from zinf_jax.tiers.checksum import ALGORITHM, ShardSums, damaged, diagnose, digest
-from zinf_jax.tiers.direct import ChunkIO, aligned_empty, all_of, chunk_files
+from zinf_jax.tiers.direct import ChunkIO, aligned_empty, chunk_files
 from zinf_jax.tiers.keys import KeyRegistry
 from zinf_jax.tiers.nvme_layout import (
     FORMAT, MANIFEST, SlotArrays, check_dir, half_updated, io_error, load_manifest, lock_dir, read_manifest, syncfs,

@@ -36,6 +36,7 @@ from typing import IO, Any, Mapping, Sequence
 import numpy as np
 import tensorstore as ts
 
+from zinf_jax._internal.fs import replace_json
 from zinf_jax.tiers.base import ShardSpec, TierDataError, TierError, np_dtype
 from zinf_jax.tiers.checksum import ALGORITHM
 from zinf_jax.tiers.direct import ALIGN, ZARR3_CODECS, ZARR3_KEY_ENCODING
@@ -204,17 +205,7 @@ def half_updated(process_dir: Path, in_progress: Mapping[str, Any]) -> TierDataE
 
 def write_manifest(process_dir: Path, manifest: Mapping[str, Any]) -> None:
     """Replaces the manifest atomically and durably (write, fsync, rename, fsync the directory)."""
-    tmp = process_dir / (MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(manifest, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, process_dir / MANIFEST)
-    dfd = os.open(process_dir, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    replace_json(process_dir / MANIFEST, manifest)
 
 
 def lock_dir(process_dir: Path) -> IO[str]:

@@ -1,4 +1,8 @@
-"""Small real Flax models used across the tests."""
+"""Small real Flax models used across the tests.
+
+``TinyLM`` is a GPT-style LM with dropout and a learned position table (the demo model of the
+library is :class:`zinf_jax.models.GPT`; this one is smaller and exercises dropout).
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -10,7 +14,7 @@ from flax import nnx
 
 
 @dataclasses.dataclass(frozen=True)
-class GPTConfig:
+class TinyLMConfig:
     vocab: int = 61
     d_model: int = 32
     n_heads: int = 4
@@ -19,10 +23,10 @@ class GPTConfig:
     dropout: float = 0.1
 
 
-class Block(nnx.Module):
+class TinyBlock(nnx.Module):
     """Pre-norm transformer block: attention + MLP, layer norms, dropout."""
 
-    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: TinyLMConfig, *, rngs: nnx.Rngs):
         d = cfg.d_model
         self.ln1 = nnx.LayerNorm(d, rngs=rngs)
         self.attn = nnx.MultiHeadAttention(
@@ -40,13 +44,13 @@ class Block(nnx.Module):
         return x + self.drop(self.down(jax.nn.gelu(self.up(self.ln2(x)))))
 
 
-class GPT(nnx.Module):
+class TinyLM(nnx.Module):
     """Token embedding, N blocks, final norm, output head tied to the embedding."""
 
-    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: TinyLMConfig, *, rngs: nnx.Rngs):
         self.embed = nnx.Embed(cfg.vocab, cfg.d_model, rngs=rngs)
         self.pos = nnx.Param(jax.random.normal(rngs.params(), (cfg.seq, cfg.d_model)) * 0.02)
-        self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+        self.blocks = nnx.List([TinyBlock(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
         self.ln_f = nnx.LayerNorm(cfg.d_model, rngs=rngs)
 
     def __call__(self, tokens):

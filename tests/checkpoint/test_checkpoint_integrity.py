@@ -18,7 +18,7 @@ import zinf_jax as zinf
 import zinf_jax.checkpoint as ckpt_mod
 from zinf_jax.checkpoint import CheckpointError, read_meta
 from zinf_jax.models import GPT, GPTConfig, batch_at, corpus, lm_loss
-from tmpfs import mounted
+from helpers.tmpfs import mounted
 
 CFG = GPTConfig(vocab=256, d_model=32, n_heads=4, n_layers=2, seq=16)
 DATA = corpus()

@@ -25,11 +25,11 @@ import pytest
 from flax import nnx
 
 import zinf_jax as zinf
-from models import GPT, ConvNet, GPTConfig, lm_loss
+from helpers.small_models import TinyLM, ConvNet, TinyLMConfig, lm_loss
 from zinf_jax.estimate import (CONFIGURATIONS, RUNTIME_OVERHEAD, Machine, estimate, estimate_from_model,
                                estimate_from_sizes, fits, format_report)
 
-CFG = GPTConfig(n_layers=3, d_model=32, vocab=64, seq=16)
+CFG = TinyLMConfig(n_layers=3, d_model=32, vocab=64, seq=16)
 THRESHOLD = 512  # LayerNorms, biases and the position table persist; blocks and the embedding stream
 BATCH = 8
 N_DEVICES = int(os.environ.get("ZINF_ESTIMATE_TEST_DEVICES", "2"))  # few shards: fewer fsynced files per step
@@ -37,7 +37,7 @@ REL, SLACK = 0.15, 64 << 10
 
 
 def ctor(cfg=CFG):
-    return lambda: GPT(cfg, rngs=nnx.Rngs(0, dropout=1))
+    return lambda: TinyLM(cfg, rngs=nnx.Rngs(0, dropout=1))
 
 
 def mesh():
@@ -176,7 +176,7 @@ def test_sizes_agree_with_model(estimates):
 
 def test_device_does_not_grow_with_layers_when_activations_are_offloaded():
     def dev(layers, offload):
-        cfg = GPTConfig(n_layers=layers, d_model=32, vocab=64, seq=16)
+        cfg = TinyLMConfig(n_layers=layers, d_model=32, vocab=64, seq=16)
         est = estimate_from_model(ctor(cfg), config=zconfig("cpu", "cpu", offload_activations=offload),
                                   mesh=mesh(), loss_fn=lm_loss, example_batch=example(cfg),
                                   configurations=[("cpu", "cpu")])[0]

@@ -10,7 +10,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 import zinf_jax as zinf
-from engine_utils import flat, optax_run
+from helpers.engine_utils import flat, optax_run
 from zinf_jax.config import ConfigError
 from zinf_jax.models import GPT, GPTConfig, batch_at, corpus, lm_loss
 from zinf_jax.plan.partition import (batch_spec, local_shard_devices, owns_shard, plan_partition, shard_index_of,

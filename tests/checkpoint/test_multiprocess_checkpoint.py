@@ -38,7 +38,7 @@ def _start(ckpt, mode, *extra):
     port = str(_port())
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
     env["ZINF_TEST_JAX_CACHE"] = jax.config.jax_compilation_cache_dir or ""
-    return [subprocess.Popen([sys.executable, os.path.join(HERE, "mp_ckpt_worker.py"), str(i), "2", port, str(ckpt),
+    return [subprocess.Popen([sys.executable, os.path.join(HERE, "..", "workers", "mp_ckpt_worker.py"), str(i), "2", port, str(ckpt),
                               mode, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
             for i in range(2)]
 

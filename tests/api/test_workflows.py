@@ -9,7 +9,7 @@ from flax import nnx
 
 import zinf_jax as zinf
 from zinf_jax.optim.grads_out import IN_RAM_BELOW
-from engine_utils import flat, optax_run
+from helpers.engine_utils import flat, optax_run
 from zinf_jax.checkpoint import read_meta
 from zinf_jax.models import GPT, GPTConfig, batch_at, corpus, lm_loss
 from zinf_jax.plan.units import path_str
@@ -271,7 +271,7 @@ def test_lora_checkpoint_stores_the_frozen_base_once_and_restores(tmp_path):
 
 def test_linen_trainable_predicate_freezes_the_rest(tmp_path):
     """Linen: a path predicate; frozen params keep their values, the trained ones follow optax.masked Adam."""
-    from models import LinenMLP
+    from helpers.small_models import LinenMLP
 
     module = LinenMLP()
     x = np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)

@@ -7,8 +7,8 @@ from flax import nnx
 from flax import traverse_util
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from engine_utils import build, linen_adapter, nnx_adapter, streamed_grads
-from models import GPT, ConvNet, GPTConfig, LinenMLP, lm_loss, mse_loss
+from helpers.engine_utils import build, linen_adapter, nnx_adapter, streamed_grads
+from helpers.small_models import TinyLM, ConvNet, TinyLMConfig, LinenMLP, lm_loss, mse_loss
 from zinf_jax.engine.adapters import leaf_paths as _leaf_paths
 from zinf_jax.engine.init import param_batches
 from zinf_jax.engine.streamed import EngineError
@@ -16,12 +16,12 @@ from zinf_jax.plan.partition import make_mesh
 from zinf_jax.plan.units import UnitPolicy, UnitPolicyError, path_str
 
 THRESHOLD = 1000  # LayerNorm scales and the position table stay on device; blocks stream
-CFG = GPTConfig()
+CFG = TinyLMConfig()
 
 
 def gpt_ctor(n_layers=2):
-    cfg = GPTConfig(n_layers=n_layers)
-    return lambda: GPT(cfg, rngs=nnx.Rngs(0, dropout=1))
+    cfg = TinyLMConfig(n_layers=n_layers)
+    return lambda: TinyLM(cfg, rngs=nnx.Rngs(0, dropout=1))
 
 
 def tokens(mesh, seed=5, batch=8):

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 import zinf_jax as zinf
-from engine_utils import optax_run
+from helpers.engine_utils import optax_run
 from zinf_jax.engine.adapters import leaf_paths as _leaf_paths
 from zinf_jax.models import GPT, GPTConfig, batch_at, corpus, lm_loss
 from zinf_jax.plan.units import path_str

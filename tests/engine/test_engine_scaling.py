@@ -6,16 +6,16 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from engine_utils import build, nnx_adapter
-from models import GPT, GPTConfig, lm_loss
+from helpers.engine_utils import build, nnx_adapter
+from helpers.small_models import TinyLM, TinyLMConfig, lm_loss
 from zinf_jax.engine.store import ParamMismatchError
 
 THRESHOLD = 2000  # LayerNorms and the position table stay on device
 
 
 def _ctor(n_layers, d_model=32):
-    cfg = GPTConfig(n_layers=n_layers, d_model=d_model, dropout=0.0)
-    return cfg, (lambda: GPT(cfg, rngs=nnx.Rngs(0)))
+    cfg = TinyLMConfig(n_layers=n_layers, d_model=d_model, dropout=0.0)
+    return cfg, (lambda: TinyLM(cfg, rngs=nnx.Rngs(0)))
 
 
 def _batch(cfg, mesh, b=8):

@@ -25,7 +25,7 @@ def _port():
 def test_two_processes_match_single_process(tmp_path):
     port = str(_port())
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "mp_worker.py"), str(i), "2", port,
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "..", "workers", "mp_worker.py"), str(i), "2", port,
                                str(tmp_path / "nvme"), str(STEPS)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               env=env, text=True) for i in range(2)]
     (tmp_path / "nvme").mkdir()

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from zinf_jax.app.cli import main
-from tmpfs import mounted
+from helpers.tmpfs import mounted
 
 TINY = ["--d-model", "32", "--n-layers", "2", "--seq", "32", "--batch", "8", "--no-progress"]
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from zinf_jax.tiers import NvmeTier, ShardSpec, TierError, np_dtype
-from tmpfs import mounted
+from helpers.tmpfs import mounted
 
 # ---------------------------------------------------------------- helpers
 

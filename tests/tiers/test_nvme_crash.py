@@ -24,10 +24,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import crash_writer
+from workers import crash_writer
 from zinf_jax.tiers import NvmeTier, TierDataError, np_dtype, read_manifest
 
-WRITER = Path(__file__).with_name("crash_writer.py")
+WRITER = Path(__file__).parents[1] / "workers" / "crash_writer.py"
 
 
 def _start(path: Path, update: str) -> subprocess.Popen:

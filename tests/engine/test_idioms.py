@@ -12,7 +12,7 @@ import pytest
 from flax import nnx, traverse_util
 
 import zinf_jax as zinf
-from idiom_models import (LinenEncDec, LinenLM, LinenResNet, LMConfig, NnxCNN, NnxSowLM, sow_penalty, xent)
+from helpers.idiom_models import (LinenEncDec, LinenLM, LinenResNet, LMConfig, NnxCNN, NnxSowLM, sow_penalty, xent)
 from zinf_jax.engine.adapters import leaf_paths
 from zinf_jax.plan.units import path_str
 
@@ -324,7 +324,7 @@ def test_passed_rngs_advance_like_nnx(tmp_path):
 
 def test_sow_model_gradients_match(tmp_path):
     """The gradients themselves (shared Rngs, dropout, sown auxiliary term) against nnx.value_and_grad."""
-    from engine_utils import build, nnx_adapter, streamed_grads
+    from helpers.engine_utils import build, nnx_adapter, streamed_grads
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     ctor = lambda: NnxSowLM(CFG, rngs=nnx.Rngs(0, dropout=1))  # noqa: E731

@@ -18,7 +18,7 @@ import pytest
 
 from zinf_jax.app.inspect import inspect_dir
 from zinf_jax.tiers import NvmeTier, ShardSpec, TierDataError, TierError, read_manifest
-from tmpfs import mounted
+from helpers.tmpfs import mounted
 
 SPEC = ShardSpec(shard_shape=(64, 32), dtype="float32", num_shards=3)  # 8 KiB shards ...
 CHUNK_BYTES = 2048  # ... of 4 chunk files each: c/<shard>/<0..3>/0
