@@ -35,6 +35,7 @@ from typing import Any
 
 _EXPORTS = {
     "zinf_jax.api": ("Engine", "initialize", "restore"),
+    "zinf_jax.engine.weights": ("TensorMap", "from_safetensors"),
     "zinf_jax.config": ("AioConfig", "LossScaleConfig", "Offload", "OptimizerConfig", "ZeroConfig"),
     "zinf_jax.errors": ("ZinfError", "ConfigError", "CheckpointError", "ParamMismatchError", "EngineError",
                         "TierError", "TierDataError", "UnitPolicyError"),
@@ -61,7 +62,7 @@ def __dir__() -> list[str]:
 __version__ = "0.1.0"
 
 __all__ = [
-    "Engine", "initialize", "restore",
+    "Engine", "initialize", "restore", "from_safetensors", "TensorMap",
     "ZeroConfig", "Offload", "AioConfig", "LossScaleConfig", "OptimizerConfig",
     "adam", "adamw",
     "make_mesh", "plan_partition", "format_table",

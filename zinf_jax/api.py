@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from zinf_jax.checkpoint import TrainingState, latest_step_dir, restore_into, save
+from zinf_jax.checkpoint.export import save_safetensors
 from zinf_jax.config import ZeroConfig
 from zinf_jax.engine.batching import shard_batch
 from zinf_jax.engine.build import Components, build, close_quietly
@@ -29,7 +30,7 @@ from zinf_jax.engine.streamed import ParamLoss
 from zinf_jax.engine.wrap import make_adapter
 from zinf_jax.errors import EngineError
 from zinf_jax.optim.choose import choose_optimizer
-from zinf_jax.plan.partition import from_stored, make_mesh
+from zinf_jax.plan.partition import make_mesh
 from zinf_jax.plan.units import UnitPolicy
 
 __all__ = ["initialize", "restore", "Engine", "EngineError", "close_quietly"]
@@ -169,18 +170,8 @@ class Engine:
         compute-dtype values are returned, as float32.
         """
         self._usable("params")
-        out = {}
-        for path, lay in self.layouts.items():
-            if path in self.trainable:
-                shards = [self.optimizer.read_master(path, i) for i in self.store.local_indices(path)]
-            else:
-                shards = [np.asarray(self.param_tier.get(path, i).result(), np.float32)
-                          for i in self.store.local_indices(path)]
-            if len(shards) != lay.num_shards:
-                raise RuntimeError("params(): this process holds only some shards; use checkpoints to read all")
-            full = shards[0] if lay.dim is None else np.concatenate(shards, axis=lay.dim)
-            out[path] = np.asarray(from_stored(lay, full))
-        return out
+        view = TrainingState(self.components)
+        return {path: view.value(path) for path in self.layouts}
 
     def params(self) -> Any:
         """float32 master values in the model's own structure (``nnx.State`` or Linen params dict)."""
@@ -203,6 +194,28 @@ class Engine:
         """
         self._usable("save")
         return save(TrainingState(self.components), directory, user_state=user_state, max_to_keep=max_to_keep)
+
+    def save_safetensors(self, directory: str | os.PathLike, *, rename: Callable | None = None,
+                         dtype: str | None = None, max_shard_bytes: int = 5 << 30) -> list[Path]:
+        """Writes the trained parameters as safetensors, unit by unit, in shards of at most ``max_shard_bytes``.
+
+        Readable by ``safetensors.numpy.load_file`` and any Hugging Face loader (one ``model.safetensors``,
+        or ``model-0000k-of-0000n.safetensors`` files and a ``model.safetensors.index.json``). See
+        :mod:`zinf_jax.checkpoint.export`.
+
+        Args:
+          directory: where the files go (created).
+          rename: model path -> tensor name, a :class:`~zinf_jax.TensorMap` (name and transpose/reshape),
+            or None to leave a parameter out (default: the path with ``/`` as ``.``).
+          dtype: the files' dtype (``"bfloat16"``, ``"float16"``; default ``"float32"``, the masters as they are).
+          max_shard_bytes: the largest shard file.
+
+        Returns:
+          The files written (the index last, if any).
+        """
+        self._usable("save_safetensors")
+        return save_safetensors(TrainingState(self.components), directory, rename=rename, dtype=dtype,
+                                max_shard_bytes=max_shard_bytes)
 
     def _usable(self, what: str, batch: Any = None) -> None:
         """Refuses a call after :meth:`close` or under an outer transformation, before anything changes."""
@@ -285,7 +298,8 @@ def initialize(
       params: initial values instead of the model's initialisers: a pytree of
         host arrays in the model's own structure (``nnx.state(model,
         nnx.Param)`` or the Linen params dict), or the directory of a plain
-        orbax checkpoint of one (read unit by unit). See
+        orbax checkpoint of one (read unit by unit), or
+        :func:`zinf_jax.from_safetensors` (read lazily, each process its own slices). See
         :class:`~zinf_jax.engine.pretrained.Pretrained`.
       track_live_arrays: record ``jax.live_arrays()`` peaks (tests, benchmarks).
 

@@ -27,7 +27,7 @@ import numpy as np
 from zinf_jax.engine.build import Components
 from zinf_jax.engine.init import param_groups
 from zinf_jax.optim.driver import METADATA_KEY
-from zinf_jax.plan.partition import ParamLayout
+from zinf_jax.plan.partition import ParamLayout, from_stored
 
 __all__ = ["TrainingState", "FROZEN", "remember", "is_known"]
 
@@ -84,6 +84,21 @@ class TrainingState:
         if state == FROZEN:  # only its compute-dtype copy exists, in the param tier
             return np.asarray(c.param_tier.get(path, index).result(), np.float32)
         return c.optimizer.read_state(path, index, state)
+
+    def value(self, path: str) -> np.ndarray:
+        """The whole parameter, float32, in its own shape: the master of a trained one, the stored value of a
+        frozen one.
+
+        Raises:
+          RuntimeError: this process holds only some of its shards (a multi-process job).
+        """
+        lay = self.layouts[path]
+        state = "master" if path in self._c.trainable else FROZEN
+        shards = [self.read(path, i, state) for i in self.local_indices(path)]
+        if len(shards) != lay.num_shards:
+            raise RuntimeError("params(): this process holds only some shards; use checkpoints to read all")
+        full = shards[0] if lay.dim is None else np.concatenate(shards, axis=lay.dim)
+        return np.asarray(from_stored(lay, full))
 
     def write(self, path: str, index: int, saved: Mapping[str, np.ndarray]) -> bool:
         """Writes one shard's saved states, and its value into the param tier (uncommitted).

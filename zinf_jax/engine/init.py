@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from zinf_jax.engine.store import ParamStore
-from zinf_jax.plan.partition import to_stored
+from zinf_jax.plan.partition import ParamLayout, to_stored
 
 __all__ = ["init_unit_by_unit", "param_groups", "param_batches", "INIT_BATCH_BYTES"]
 
@@ -83,7 +83,7 @@ def init_unit_by_unit(
                 group, lambda p, v: to_stored(store.layouts[p], v), [store.sharding(p) for p in group]
             )
         else:
-            arrays = [_place(to_stored(store.layouts[p], np.asarray(v, adapter.abstract_params[p].dtype)), store.sharding(p))
+            arrays = [_place(store.layouts[p], v, adapter.abstract_params[p].dtype, store.sharding(p))
                       for p, v in zip(group, values(group))]
         futures = []
         for path, arr in zip(group, arrays):
@@ -99,6 +99,14 @@ def init_unit_by_unit(
     store.commit(metadata)
 
 
-def _place(host: np.ndarray, sharding: Any) -> jax.Array:
-    """A host array as a global array with ``sharding``, each process placing only its own shards."""
-    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+def _place(layout: ParamLayout, value: Any, dtype: Any, sharding: Any) -> jax.Array:
+    """A host value as a global stored-form array with ``sharding``, each process reading only its own shards.
+
+    ``value`` is a host array or a lazy tensor (:class:`~zinf_jax.engine.weights.LazyTensor`): only the
+    slices of this process's devices are read and converted to ``dtype``. A ``flat`` parameter (padded and
+    flattened) is read whole first.
+    """
+    if layout.kind == "flat":
+        host = to_stored(layout, np.asarray(value, dtype))
+        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+    return jax.make_array_from_callback(tuple(layout.shape), sharding, lambda idx: np.asarray(value[idx], dtype))

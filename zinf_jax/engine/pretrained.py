@@ -1,12 +1,14 @@
-"""Pretrained weights: initial parameter values from a pytree or a plain orbax checkpoint.
+"""Pretrained weights: initial parameter values from a pytree, a plain orbax checkpoint or safetensors.
 
 ``initialize(..., params=...)`` starts from given values instead of the
-model's initialisers. The source is either a pytree of host arrays in the
+model's initialisers. The source is a pytree of host arrays in the
 model's own structure (``nnx.state(model, nnx.Param)``, its pure dict, a Linen
-``{"params": ...}`` dict, boxed or not) or the directory of an orbax PyTree
-checkpoint of such a tree written by plain JAX/Flax. A checkpoint is read one
+``{"params": ...}`` dict, boxed or not), the directory of an orbax PyTree
+checkpoint of such a tree written by plain JAX/Flax, or safetensors files
+(:func:`~zinf_jax.engine.weights.from_safetensors`). A checkpoint is read one
 group of parameters (one unit) at a time with orbax's partial restore, so the
-whole tree is never in host RAM at once.
+whole tree is never in host RAM at once; safetensors tensors are read lazily,
+each process only the slices of its own shards.
 
 Leaves are matched by their ``/``-joined path (``blocks/0/mlp/kernel``); the
 ``value`` level of NNX variables and a top-level ``params`` collection are
@@ -26,6 +28,7 @@ import numpy as np
 
 from zinf_jax.engine.adapters import kp_tuple
 from zinf_jax.engine.store import ParamMismatchError
+from zinf_jax.engine.weights import lazy_values
 from zinf_jax.plan.units import path_str
 
 __all__ = ["Pretrained"]
@@ -70,7 +73,11 @@ class Pretrained:
 
     def __init__(self, source: Any, model_params: Mapping[str, jax.ShapeDtypeStruct]):
         self._dir: Path | None = None
-        if isinstance(source, (str, os.PathLike)):
+        self._lazy = lazy_values(source) is not None
+        if self._lazy:
+            raw = [(p, (None, t.shape, t)) for p, t in lazy_values(source).items()]
+            what = repr(source)
+        elif isinstance(source, (str, os.PathLike)):
             self._dir = Path(source).absolute()
             raw = self._checkpoint_leaves(self._dir)
             what = f"orbax checkpoint {str(self._dir)!r}"
@@ -107,8 +114,11 @@ class Pretrained:
                                     "it holds no arrays (pass the directory orbax saved the params tree to)")
         return [(path_str(kp_tuple(kp)), (tuple(_key(k) for k in kp), tuple(m.shape), None)) for kp, m in flat]
 
-    def read(self, paths: Sequence[str]) -> list[np.ndarray]:
-        """The values of ``paths`` as host arrays (only these are read from a checkpoint)."""
+    def read(self, paths: Sequence[str]) -> list[Any]:
+        """The values of ``paths`` as host arrays (only these are read from a checkpoint), or lazy tensors
+        whose slices are read when indexed (safetensors)."""
+        if self._lazy:
+            return [self._items[p][2] for p in paths]
         if self._dir is None:
             return [np.asarray(self._items[p][2]) for p in paths]
         import orbax.checkpoint as ocp
