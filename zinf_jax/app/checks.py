@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["check_args", "check_batch", "flag"]
+__all__ = ["check_args", "check_batch", "flag", "allowed"]
 
 TIERS = ("none", "cpu", "nvme")
 
@@ -27,6 +27,7 @@ _INTS = {
     "keep": (0, "an integer >= 0 (the newest checkpoints to keep; 0 keeps all)"),
     "seed": (0, "an integer >= 0"),
     "persistence_threshold": (0, "an integer >= 0 (elements)"),
+    "log_every": (1, "a positive integer (steps between progress lines when not on a terminal)"),
 }
 # field -> (lowest allowed, the lowest excluded, what is allowed)
 _FLOATS = {
@@ -87,6 +88,32 @@ def check_args(args: Any) -> None:
                          "--overwrite deletes it and starts over)")
     if args.config and args.deepspeed_config:
         raise ValueError("--config and --deepspeed-config: give one of them, not both")
+    if args.tensorboard is not None:
+        if not str(args.tensorboard):
+            raise _bad("tensorboard", repr(args.tensorboard), "a directory")
+        _check_tensorboard(args.tensorboard)
+
+
+def _check_tensorboard(logdir: str) -> None:
+    """Raises ValueError naming what to install unless a TensorBoard writer package is importable."""
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboardX") is None and importlib.util.find_spec("torch") is None:
+        raise ValueError(f"--tensorboard {logdir}: needs tensorboardX (pip install 'zinf-jax[tensorboard]') "
+                         "or PyTorch with tensorboard; neither is installed")
+
+
+def allowed(field: str) -> str | None:
+    """What a ``TrainArgs`` field accepts, in words (for the CLI's help), or None if anything goes."""
+    if field in _INTS:
+        return _INTS[field][1].split(" (")[0]
+    if field in _FLOATS:
+        return _FLOATS[field][2].split(" (")[0]
+    if field in ("param_device", "optimizer_device"):
+        return "one of " + ", ".join(TIERS)
+    if field == "nvme_update":
+        return "in_place or double_slot"
+    return None
 
 
 def check_batch(args: Any, config: Any) -> None:

@@ -1,4 +1,4 @@
-"""``zinf-jax``: train | estimate | inspect. Parses arguments, then calls the library.
+"""``zinf-jax``: train | estimate | inspect | plot. Parses arguments, then calls the library.
 
 Exit status: 0 done; 1 the run failed (final loss non-finite, loss scale
 underflow); 2 bad input (a flag, a config, a checkpoint, a locked or reused run
@@ -18,34 +18,92 @@ import sys
 from zinf_jax.app.interrupts import StopRequest
 from zinf_jax.errors import Interrupted, NonFiniteLossError, ZinfError
 
-__all__ = ["main"]
+__all__ = ["main", "make_parser", "field_docs", "EXAMPLES"]
+
+
+EXAMPLES = """examples:
+  zinf-jax train                                   # the main job: GPT on nvme tiers under runs/gpt
+  zinf-jax train --param-device cpu --optimizer-device cpu --steps 300 --save-every 100 --keep 2
+  zinf-jax train --resume                          # continue runs/gpt from its newest good checkpoint
+  zinf-jax estimate --layers 32 --hidden 4096 --devices 8 --gpu-gib 80 --host-gib 512 --disk-gib 3000
+  zinf-jax inspect runs/gpt/ckpt                   # what a checkpoint (or an nvme tier directory) holds
+  zinf-jax plot runs/gpt                           # loss, tokens/s and bytes per tier -> runs/gpt/metrics.png
+"""
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """``name -> text`` from the ``Attributes:`` section of a Google-style class docstring.
+
+    An entry may name several fields (``d_model, n_layers, n_heads: model shape``); continuation
+    lines (indented deeper) join the entry.
+    """
+    lines = (cls.__doc__ or "").splitlines()
+    try:
+        start = next(i for i, line in enumerate(lines) if line.strip() == "Attributes:")
+    except StopIteration:
+        return {}
+    entries: list[tuple[list[str], str]] = []
+    indent = None
+    for line in lines[start + 1:]:
+        if not line.strip():
+            continue
+        depth = len(line) - len(line.lstrip())
+        indent = depth if indent is None else indent
+        if depth < indent:
+            break
+        if depth == indent and ":" in line:
+            names, text = line.strip().split(":", 1)
+            entries.append(([n.strip() for n in names.split(",")], text.strip()))
+        elif entries:
+            entries[-1] = (entries[-1][0], entries[-1][1] + " " + line.strip())
+    return {n: text for names, text in entries for n in names}
+
+
+def _flag_help(name: str, doc: str, default: object) -> str:
+    from zinf_jax.app.checks import allowed
+
+    accepts = allowed(name)
+    parts = [(doc.rstrip(".") if doc else name.replace("_", " ")).replace("``", "")]
+    if accepts:
+        parts.append(f"accepts {accepts}")
+    parts.append("default: %(default)s" if default not in (None, "") else "default: none")
+    return "; ".join(parts)
+
+
+_METAVARS = {"run_dir": "DIR", "nvme_dir": "DIR", "tensorboard": "DIR", "profile": "DIR", "config": "FILE",
+             "deepspeed_config": "FILE", "param_device": "TIER", "optimizer_device": "TIER", "nvme_update": "MODE"}
 
 
 def _train_parser(sub: argparse._SubParsersAction) -> None:
     from zinf_jax.app.train import TrainArgs
 
-    p = sub.add_parser("train", help="train the bundled GPT on CPython's help text (nvme tiers by default)")
+    p = sub.add_parser("train", help="train the bundled GPT on CPython's help text (nvme tiers by default)",
+                       description=(TrainArgs.__doc__ or "").split("\n\n")[0])
+    docs = field_docs(TrainArgs)
     for f in dataclasses.fields(TrainArgs):
         flag = "--" + f.name.replace("_", "-")
+        text = _flag_help(f.name, docs.get(f.name, ""), f.default)
         if f.type in ("bool", bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=text)
         else:
             kind = {"int": int, "float": float}.get(str(f.type), str)
-            p.add_argument(flag, type=kind, default=f.default)
+            p.add_argument(flag, type=kind, default=f.default, help=text, metavar=_METAVARS.get(f.name) or (
+                f.name.upper() if kind is str else {int: "N", float: "X"}[kind]))
 
 
 def _estimate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("estimate", help="memory per tier (device, host, nvme) for each offload configuration")
-    p.add_argument("--params", type=float, help="total parameters (e.g. 1.3e9)")
-    p.add_argument("--layers", type=int)
-    p.add_argument("--hidden", type=int)
-    p.add_argument("--vocab", type=int, default=50257)
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=8, help="sequences per step (whole job)")
-    p.add_argument("--devices", type=int, default=8)
-    p.add_argument("--gpu-gib", type=float, help="memory per device, to report what fits")
-    p.add_argument("--host-gib", type=float, help="host RAM")
-    p.add_argument("--disk-gib", type=float, help="free NVMe")
+    p.add_argument("--params", type=float, help="total parameters (e.g. 1.3e9); default: from the sizes")
+    p.add_argument("--layers", type=int, help="transformer blocks (required)")
+    p.add_argument("--hidden", type=int, help="model width, d_model (required)")
+    p.add_argument("--vocab", type=int, default=50257, help="vocabulary size; default: %(default)s")
+    p.add_argument("--seq", type=int, default=2048, help="tokens per sequence; default: %(default)s")
+    p.add_argument("--batch", type=int, default=8, help="sequences per step (whole job); default: %(default)s")
+    p.add_argument("--devices", type=int, default=8, help="accelerators in the job; default: %(default)s")
+    p.add_argument("--gpu-gib", type=float, help="memory per device in GiB, to report what fits (with --host-gib "
+                   "and --disk-gib)")
+    p.add_argument("--host-gib", type=float, help="host RAM in GiB")
+    p.add_argument("--disk-gib", type=float, help="free NVMe in GiB")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -85,14 +143,23 @@ def main(argv: list[str] | None = None) -> int:
         stop.restore()
 
 
-def _main(argv: list[str] | None, stop: StopRequest) -> int:
-    parser = argparse.ArgumentParser(prog="zinf-jax", description=__doc__)
+def make_parser() -> argparse.ArgumentParser:
+    """The ``zinf-jax`` argument parser: every subcommand, every flag with its help text."""
+    parser = argparse.ArgumentParser(prog="zinf-jax", description=__doc__, epilog=EXAMPLES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     _estimate_parser(sub)
     ins = sub.add_parser("inspect", help="what a checkpoint or an nvme tier directory holds")
-    ins.add_argument("dir")
-    a = parser.parse_args(argv)
+    ins.add_argument("dir", help="a checkpoint directory (step_<N> or its parent) or an nvme tier directory")
+    plot = sub.add_parser("plot", help="draw a run's loss, tokens/s and bytes per tier (needs matplotlib)")
+    plot.add_argument("run_dir", help="a run directory holding metrics.jsonl (zinf-jax train --run-dir)")
+    plot.add_argument("--out", help="the PNG to write; default: RUN_DIR/metrics.png")
+    return parser
+
+
+def _main(argv: list[str] | None, stop: StopRequest) -> int:
+    a = make_parser().parse_args(argv)
     try:
         if a.command == "train":
             return _train(a, stop)
@@ -102,6 +169,11 @@ def _main(argv: list[str] | None, stop: StopRequest) -> int:
             from zinf_jax.app.inspect import inspect_dir
 
             print(inspect_dir(a.dir))
+            return 0
+        if a.command == "plot":
+            from zinf_jax.app.plot import plot_run
+
+            print(f"zinf-jax plot: wrote {plot_run(a.run_dir, a.out)}")
             return 0
         from zinf_jax.estimate import Machine, estimate_from_sizes, format_report
 

@@ -32,6 +32,7 @@ from zinf_jax.api import Engine, close_quietly, initialize, restore
 from zinf_jax.app import rundir
 from zinf_jax.app.checks import check_args, check_batch
 from zinf_jax.app.interrupts import Interrupted, StopRequest
+from zinf_jax.app.metrics import MetricsLog
 from zinf_jax.app.models import GPT, GPTConfig, batch_at, corpus, lm_loss
 from zinf_jax.app.progress import Progress
 from zinf_jax.checkpoint import policies
@@ -66,11 +67,17 @@ class TrainArgs:
       steps: optimizer steps to reach (a resumed run continues up to it).
       batch: sequences per step (split over the mesh: a multiple of the device count).
       seq: tokens per sequence.
-      d_model, n_layers, n_heads: model shape (``n_heads`` divides ``d_model``).
-      lr, warmup, weight_decay, clip: AdamW with linear warmup then cosine decay.
+      d_model: model width.
+      n_layers: transformer blocks.
+      n_heads: attention heads (they divide ``d_model``).
+      lr: peak learning rate of AdamW (linear warmup, then cosine decay).
+      warmup: steps of the linear learning-rate warmup.
+      weight_decay: AdamW's decoupled weight decay.
+      clip: clip gradients to this global norm (0: no clipping).
       run_dir: where the metrics log, checkpoints and (default) nvme tiers go.
       nvme_dir: directory of the nvme tiers (default ``<run_dir>/nvme``).
-      param_device, optimizer_device: ``none`` / ``cpu`` / ``nvme`` tiers.
+      param_device: tier of the parameters between uses (``none``: device memory, ``cpu``, ``nvme``).
+      optimizer_device: tier of the fp32 master and the Adam states (``none``, ``cpu``, ``nvme``).
       nvme_update: ``in_place`` (one copy on disk; a step killed half-way is rebuilt from the
         checkpoint by ``resume``) or ``double_slot`` (every step durable, twice the disk).
       save_every: checkpoint period in steps (0: only at the end and on a signal).
@@ -83,7 +90,11 @@ class TrainArgs:
       seed: initialisation and data seed.
       persistence_threshold: parameters with at most this many elements are not
         sharded (small, so that the demo model's blocks really are partitioned).
-      progress: draw the live progress line.
+      progress: show progress: a live line on a terminal; under a pipe or in a log file, one plain
+        line every ``log_every`` steps (and for the last).
+      log_every: steps between plain progress lines when the output is not a terminal.
+      tensorboard: also write the metrics as TensorBoard scalars to this directory (needs
+        tensorboardX: ``pip install 'zinf-jax[tensorboard]'``).
       profile: a directory to write a profiler trace of steps 2-4 of this run
         to (TensorBoard / Perfetto; the engine's ``zinf/...`` regions show
         fetches, unit forward/backward, gradients out, optimizer read/update/write).
@@ -113,6 +124,8 @@ class TrainArgs:
     seed: int = 0
     persistence_threshold: int = 1024
     progress: bool = True
+    log_every: int = 10
+    tensorboard: str | None = None
     profile: str | None = None
 
 
@@ -242,7 +255,8 @@ def _loop(run: _Run, log: TextIO, out: TextIO, stop: StopRequest, seed: int) -> 
     """Steps until ``args.steps`` optimizer steps are applied, a stop is requested or the loss stays non-finite."""
     args, engine, data = run.args, run.engine, corpus()
     run.policy = run.policy or policies.from_knobs(args.save_every)
-    bar = Progress(args.steps, engine.step, out, args.progress)
+    bar = Progress(args.steps, engine.step, out, args.progress, every=args.log_every)
+    metrics = MetricsLog(log, args.tensorboard)
     tracing, steps_run = False, 0
     try:
         while engine.step < args.steps and not stop.requested:
@@ -259,8 +273,7 @@ def _loop(run: _Run, log: TextIO, out: TextIO, stop: StopRequest, seed: int) -> 
             m["bytes_host"], m["bytes_nvme"] = _tier_split(engine, m)
             run.losses.append(m["loss"])
             run.rates.append(m["tokens_per_s"])
-            log.write(json.dumps({k: v for k, v in m.items() if isinstance(v, (int, float, str, bool))}) + "\n")
-            log.flush()
+            metrics.write(engine.step, m)
             bar.update(engine.step, m)
             if not m["skipped"] and policies.should_save(run.policy, engine.step):
                 run.save()
@@ -271,6 +284,7 @@ def _loop(run: _Run, log: TextIO, out: TextIO, stop: StopRequest, seed: int) -> 
         if tracing:
             jax.profiler.stop_trace()
         bar.close()
+        metrics.close()
     if args.profile and steps_run <= PROFILE_STEPS.start:
         out.write(f"warning: --profile {args.profile}: no trace written; the run stopped after {steps_run} step(s), "
                   f"before the traced steps {PROFILE_STEPS.start + 1}-{PROFILE_STEPS.stop}\n")
@@ -309,6 +323,7 @@ def _report(summary: dict[str, Any], run_dir: Path, out: TextIO) -> None:
         f"{head}: {summary['steps_run']} steps (now at step {summary['step']}, data position {summary['data_step']}), "
         f"loss {summary['initial_loss']} -> {summary['final_loss']}, "
         f"{summary['median_tokens_per_s'] or 0:.0f} tok/s median, checkpoint {summary['checkpoint'] or 'none'}\n"
+        f"metrics: {run_dir / 'metrics.jsonl'} (draw them: zinf-jax plot {run_dir})\n"
     )
     final = summary["final_loss"]
     if final is not None and not math.isfinite(final):
