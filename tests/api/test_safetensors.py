@@ -177,3 +177,22 @@ def test_loading_a_1gb_file_holds_no_more_host_ram_than_the_engines_own_init(tmp
     assert runs["safetensors"]["bytes_read"] == size  # one process: every byte once, no more
     extra = runs["safetensors"]["peak_rss"] - runs["fresh"]["peak_rss"]
     assert extra < 0.3 * (1 << 30), runs  # the file is never in RAM whole
+
+
+def test_lazy_slices_follow_transpose_and_reshape(tmp_path):
+    a = np.arange(6 * 4 * 5, dtype=np.float32).reshape(6, 4, 5)
+    save_file({"w": a, "b": np.arange(12, dtype=np.float32)}, str(tmp_path / "x.safetensors"))
+    src = zinf.from_safetensors(tmp_path / "x.safetensors", rename=lambda n: {
+        "w": zinf.TensorMap("w", transpose=(2, 0, 1)), "b": zinf.TensorMap("b", reshape=(3, 4))}[n])
+    w, b = src.tensors["w"], src.tensors["b"]
+    assert w.shape == (5, 6, 4) and b.shape == (3, 4)
+    t = np.transpose(a, (2, 0, 1))
+    for idx in [(slice(1, 3), slice(None), slice(2, 4)), (slice(0, 5), slice(4, 6)), (slice(None),)]:
+        np.testing.assert_array_equal(w[idx], t[idx])
+    before = src.bytes_read
+    w[(slice(0, 1),)]  # one of five slices of the last file axis: a fifth of the bytes
+    assert src.bytes_read - before == a.nbytes // 5
+    np.testing.assert_array_equal(b[(slice(1, 2),)], np.arange(12, dtype=np.float32).reshape(3, 4)[1:2])
+    np.testing.assert_array_equal(np.asarray(w), t)
+    with pytest.raises(ValueError, match="cannot be reshaped"):
+        zinf.from_safetensors(tmp_path / "x.safetensors", rename=lambda n: zinf.TensorMap(n, reshape=(7,)))
