@@ -30,7 +30,7 @@ from zinf_jax.engine.streamed import ParamLoss
 from zinf_jax.engine.wrap import make_adapter
 from zinf_jax.errors import EngineError
 from zinf_jax.optim.choose import choose_optimizer
-from zinf_jax.plan.partition import make_mesh
+from zinf_jax.plan.partition import auto_axes, make_mesh, no_mesh
 from zinf_jax.plan.units import UnitPolicy
 
 __all__ = ["initialize", "restore", "Engine", "EngineError", "close_quietly"]
@@ -50,7 +50,8 @@ class Engine:
                  has_aux: bool = False, **build_kw: Any):
         self.optimizer_spec = optimizer
         self.loss_fn, self.has_aux = loss_fn, has_aux  # the training loss (``(loss, aux)`` when has_aux)
-        self.components: Components = build(adapter, config=config, mesh=mesh, optimizer=optimizer, **build_kw)
+        with no_mesh():
+            self.components: Components = build(adapter, config=config, mesh=mesh, optimizer=optimizer, **build_kw)
         self._stepper = Stepper(self.components)
         if inert := config.inert_settings():
             warnings.warn("zinf_jax: these settings are accepted for DeepSpeed compatibility but have no effect: "
@@ -158,9 +159,10 @@ class Engine:
             argument: pass a loss that calls the model with it (``train=False``).
         """
         self._usable("eval_step", batch)
-        batch = self.shard_batch(batch)
-        glue = self.store.fetch(self.adapter.glue_paths)
-        return self.streamed.forward(loss_fn or self.loss_fn, batch, glue, has_aux=True)  # as the loss returns it
+        with no_mesh():
+            batch = self.shard_batch(batch)
+            glue = self.store.fetch(self.adapter.glue_paths)
+            return self.streamed.forward(loss_fn or self.loss_fn, batch, glue, has_aux=True)  # as the loss returns it
 
     # --- reading back -----------------------------------------------------------------
     def param_arrays(self) -> dict[str, np.ndarray]:
@@ -193,7 +195,8 @@ class Engine:
         that at most this many remain (never this one; ``None`` keeps all).
         """
         self._usable("save")
-        return save(TrainingState(self.components), directory, user_state=user_state, max_to_keep=max_to_keep)
+        with no_mesh():
+            return save(TrainingState(self.components), directory, user_state=user_state, max_to_keep=max_to_keep)
 
     def save_safetensors(self, directory: str | os.PathLike, *, rename: Callable | None = None,
                          dtype: str | None = None, max_shard_bytes: int = 5 << 30) -> list[Path]:
@@ -317,7 +320,7 @@ def _build(model: Any, *, config: ZeroConfig | None = None, mesh: Mesh | None = 
            init_args: tuple = (), init_kwargs: Mapping[str, Any] | None = None,
            unit_policy: UnitPolicy | None = None, logical_axis_rules: Any = None, **engine_kw: Any) -> Engine:
     config = config or ZeroConfig()
-    mesh = mesh or make_mesh()
+    mesh = auto_axes(mesh) if mesh is not None else make_mesh()  # Explicit axes: see plan.partition.auto_axes
     optimizer = choose_optimizer(optimizer, config)
     adapter = make_adapter(model, policy=unit_policy, threshold=config.persistence_threshold, seed=config.seed,
                            init_args=init_args, init_kwargs=init_kwargs, logical_axis_rules=logical_axis_rules)
@@ -343,7 +346,8 @@ def restore(
         raise TypeError("restore() takes its values from the checkpoint; params= is for initialize()")
     engine = _build(model, init="none", **kwargs)
     try:
-        restore_into(TrainingState(engine.components), step_dir)
+        with no_mesh():
+            restore_into(TrainingState(engine.components), step_dir)
     except BaseException:
         close_quietly(engine)
         raise

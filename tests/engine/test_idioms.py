@@ -264,8 +264,7 @@ def test_nnx_cnn_batchnorm_in_units_and_glue_with_dropout(tmp_path):
 
 def test_nnx_unit_attribute_errors_are_actionable(tmp_path):
     ctor = lambda: NnxCNN(rngs=nnx.Rngs(0, dropout=1))  # noqa: E731
-    cases = {
-        "kernel": (lambda m: m.head.kernel, "param_loss"),
+    cases = {  # (a parameter read outside its unit's call is fetched instead: tests/engine/test_param_reads.py)
         "child": (lambda m: m.blocks[0].conv, "submodule of the streamed unit 'blocks/0'"),
         "missing": (lambda m: m.head.no_such_thing, "has no attribute 'no_such_thing'"),
     }
@@ -273,6 +272,8 @@ def test_nnx_unit_attribute_errors_are_actionable(tmp_path):
     for name, (read, msg) in cases.items():
         with pytest.raises((zinf.EngineError, AttributeError), match=msg):
             eng.eval_step(images(0), loss_fn=lambda m, b, read=read: read(m))
+    read = eng.eval_step(images(0), loss_fn=lambda m, b: m.head.kernel[...])
+    np.testing.assert_array_equal(np.asarray(read), eng.param_arrays()["head/kernel"])
     eng.close()
 
 

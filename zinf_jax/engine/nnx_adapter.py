@@ -55,6 +55,11 @@ def _variables(module: Any) -> dict[tuple[Any, ...], nnx.Variable]:
     return {p: v for p, v in nnx.iter_graph(module) if isinstance(v, nnx.Variable)}
 
 
+READ = "__read__:"
+"""Method name of a parameter read outside its unit's call (``model.embed.embedding[...]``): a unit call whose
+program returns that parameter, gathered, so the glue gets its value and its gradient goes to the unit."""
+
+
 class _UnitCaller:
     """The adapter's side of one unit: calls through the hook and static attribute reads."""
 
@@ -91,6 +96,8 @@ class _UnitCaller:
         except AttributeError:
             raise AttributeError(f"unit {proxy.path!r} ({type(self.unit).__name__}) has no attribute {name!r}") from None
         where = f"{proxy.path}.{name}"
+        if isinstance(value, nnx.Param):  # read outside the unit's call: fetched like a call that returns it
+            return type(value)(self.call(proxy, READ + name, (), {}))
         if isinstance(value, nnx.Variable):
             raise EngineError(
                 f"{where} is a {type(value).__name__} of a streamed unit: its value lives in the engine's tiers, "
@@ -218,7 +225,7 @@ class NnxAdapter:
             m = nnx.merge(gdef, jax.tree.unflatten(ptree, full), jax.tree.unflatten(rtree, list(held)))
             box = nnx.merge(ngdef, nstate) if ngdef is not None else None
             args, kwargs = jax.tree.map(lambda x: box[x.index] if isinstance(x, _NodeRef) else x, (args, kwargs))
-            out = getattr(m, method)(*args, **kwargs)
+            out = getattr(m, method[len(READ):])[...] if method.startswith(READ) else getattr(m, method)(*args, **kwargs)
             sown = nnx.pop(m, nnx.Intermediate)
             new_held = jax.tree.leaves(nnx.split(m, nnx.Param, ...)[2])
             return out, sown, new_held, (nnx.split(box)[1] if box is not None else None)

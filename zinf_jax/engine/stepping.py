@@ -23,6 +23,7 @@ from jax.profiler import TraceAnnotation
 from zinf_jax.engine.batching import micro_batches, shard_batch
 from zinf_jax.errors import EngineError
 from zinf_jax.optim.driver import NORM_DONE
+from zinf_jax.plan.partition import no_mesh
 
 if TYPE_CHECKING:
     from zinf_jax.engine.build import Components
@@ -144,6 +145,10 @@ class Stepper:
 
         ``after``: run before the first backward (the sink is then not cleared at the start).
         """
+        with no_mesh():  # not under a mesh the caller set (see plan.partition.no_mesh)
+            return self._forward_backward_on_mesh(batch, objective, after)
+
+    def _forward_backward_on_mesh(self, batch: Any, objective: Loss, after: Callable[[], None] | None) -> _Grads:
         eng = self.c
         t0 = time.perf_counter()
         waits = eng.streamed.prefetcher.wait_s, self._grads_out_s()
@@ -178,6 +183,10 @@ class Stepper:
 
     def _update(self, grads: _Grads, clear: bool = True) -> dict[str, Any]:
         """The optimizer step on the sink's gradients and the commit; the metrics of the step."""
+        with no_mesh():
+            return self._update_on_mesh(grads, clear)
+
+    def _update_on_mesh(self, grads: _Grads, clear: bool) -> dict[str, Any]:
         eng = self.c
 
         def write_param(path: str, index: int, value: np.ndarray) -> Any:

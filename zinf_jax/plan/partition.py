@@ -17,6 +17,7 @@ A batch's leading dimension is split over every axis but ``tensor``
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -31,6 +32,8 @@ from zinf_jax.config import ConfigError
 
 __all__ = [
     "owns_shard",
+    "auto_axes",
+    "no_mesh",
     "FSDP",
     "ParamLayout",
     "make_mesh",
@@ -97,6 +100,31 @@ def make_mesh(
             sizes.append(size)
     arr = np.asarray(devices, dtype=object).reshape(sizes)
     return Mesh(arr, tuple(names), axis_types=tuple(AxisType.Auto for _ in names))
+
+
+def auto_axes(mesh: Mesh) -> Mesh:
+    """``mesh`` with every axis of type ``Auto`` (the same devices, names and shape).
+
+    ``jax.make_mesh`` gives Explicit axes by default, which type every array with its sharding; the
+    engine's programs place parameters and batches by sharding constraints and let GSPMD
+    propagate, as on Auto axes, so the engine runs on this view of the user's mesh.
+    """
+    types = getattr(mesh, "axis_types", None)
+    if types is None or all(t == AxisType.Auto for t in types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=tuple(AxisType.Auto for _ in mesh.axis_names))
+
+
+def no_mesh() -> Any:
+    """A context with no current JAX mesh, for the engine's own programs.
+
+    A user may have set a mesh with ``jax.set_mesh`` (Explicit axes, as ``jax.make_mesh`` gives); the
+    engine's programs place their arrays by explicit shardings on its Auto view of that mesh
+    (:func:`auto_axes`) and its host optimizer on single devices, so they must not trace under the
+    user's mesh. Nothing on JAX versions without ``set_mesh``.
+    """
+    setter = getattr(jax, "set_mesh", None)
+    return setter(None) if setter is not None else contextlib.nullcontext()
 
 
 def zero_axes_of(mesh: Mesh, zero_axes: Sequence[str] | None = None) -> tuple[str, ...]:

@@ -1,0 +1,93 @@
+"""Parameters read outside their unit's call (tied heads, table lookups, ``w.T``) train like plain JAX.
+
+Each read becomes a call of the unit that returns the parameter, gathered: the glue gets its value and its
+gradient goes to the unit's shards, summed with the unit's own (the tied table gets both uses').
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import zinf_jax as zinf
+from helpers.engine_utils import build, flat, nnx_adapter, optax_run, streamed_grads
+from helpers.llm_models import LookupLM, TiedHeadLM, lm_loss
+
+TOKENS = [np.random.default_rng(i).integers(0, 64, (8, 17)).astype(np.int32) for i in range(6)]
+THRESHOLD = 64
+EPS = 1e-4  # as in test_idioms.py: an element whose gradient is pure cancellation (~1e-8 here, against a median
+# 3e-3) takes an Adam step set by rounding noise with eps 1e-8; the gradients are compared directly below
+
+
+@pytest.mark.parametrize("model", [TiedHeadLM, LookupLM])
+def test_reads_outside_the_unit_train_like_optax_on_nvme(model, tmp_path):
+    off = zinf.Offload("nvme", path=str(tmp_path))
+    eng = zinf.initialize(lambda: model(nnx.Rngs(0)), loss_fn=lm_loss, optimizer=zinf.adamw(3e-3, eps=EPS),
+                          config=zinf.ZeroConfig(offload_param=off, offload_optimizer=off,
+                                                 persistence_threshold=THRESHOLD))
+    assert "embed" in [u.path for u in eng.adapter.units] and eng.layouts["embed/embedding"].dim is not None
+    losses = [eng.train_step(t)["loss"] for t in TOKENS]
+    ref_losses, ref = optax_run(model(nnx.Rngs(0)), optax.adamw(3e-3, eps=EPS), TOKENS, loss_fn=lm_loss)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    got = eng.param_arrays()
+    for k, v in ref.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-5, err_msg=k)
+    eng.close()
+
+
+def test_the_tied_tables_gradient_sums_both_uses():
+    sm = build(nnx_adapter(lambda: LookupLM(nnx.Rngs(0)), THRESHOLD), "cpu", threshold=THRESHOLD)
+    glue = sm.store.fetch(sm.adapter.glue_paths)
+    batch = jax.device_put(TOKENS[0])
+    loss, _, g_glue = sm.forward_backward(lm_loss, batch, glue, has_aux=False)
+    got = streamed_grads(sm, g_glue)
+    m = LookupLM(nnx.Rngs(0))
+    gdef, params, rest = nnx.split(m, nnx.Param, ...)
+    ref_loss, ref = jax.value_and_grad(lambda p: lm_loss(nnx.merge(gdef, p, rest), TOKENS[0]))(params)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+    ref = flat(ref)
+    assert sorted(got) == sorted(ref)
+    for k, v in ref.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-7, err_msg=k)
+    sm.prefetcher.close()
+
+
+@pytest.mark.parametrize("names,zero_axes,shards", [(("data", "model"), ("model",), 4), (("x", "y"), None, 8)])
+def test_explicit_axis_meshes_as_jax_make_mesh_gives_them(names, zero_axes, shards):
+    """``jax.make_mesh`` defaults to Explicit axes; the engine runs on an Auto view of the same devices."""
+    mesh = jax.make_mesh((2, 4), names)
+    assert all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+    with jax.set_mesh(mesh):  # as a user's script sets it; the engine's programs run on its Auto view
+        eng = zinf.initialize(lambda: TiedHeadLM(nnx.Rngs(0)), loss_fn=lm_loss, optimizer=zinf.adamw(3e-3, eps=EPS),
+                              mesh=mesh, config=zinf.ZeroConfig(offload_param=zinf.Offload("cpu"), zero_axes=zero_axes,
+                                                                persistence_threshold=THRESHOLD))
+        assert eng.layouts["embed/embedding"].num_shards == shards
+        losses = [eng.train_step(t)["loss"] for t in TOKENS[:2]]
+        losses += [m["loss"] for m in eng.train_steps(TOKENS[2:4])]
+        assert np.isfinite(eng.eval_step(TOKENS[0]))
+    # the reference: plain jit + optax on the same (Explicit) mesh, everything replicated
+    m = TiedHeadLM(nnx.Rngs(0))
+    gdef, params, rest = nnx.split(m, nnx.Param, ...)
+    tx = optax.adamw(3e-3, eps=EPS)
+    with jax.set_mesh(mesh):
+        rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        params, rest = jax.device_put((params, rest), rep)
+        opt = jax.device_put(tx.init(params), rep)
+
+        @jax.jit
+        def step(p, o, t):
+            loss, g = jax.value_and_grad(lambda p: lm_loss(nnx.merge(gdef, p, rest), t))(p)
+            u, o = tx.update(g, o, p)
+            return optax.apply_updates(p, u), o, loss
+
+        ref = []
+        for t in TOKENS[:4]:
+            params, opt, loss = step(params, opt, jax.device_put(t, rep))
+            ref.append(float(loss))
+    np.testing.assert_allclose(losses, ref, rtol=1e-5)
+    got = eng.param_arrays()
+    for k, v in flat(params).items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-5, err_msg=k)
+    eng.close()
