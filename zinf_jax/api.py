@@ -323,6 +323,7 @@ def _build(model: Any, *, config: ZeroConfig | None = None, mesh: Mesh | None = 
     mesh = auto_axes(mesh) if mesh is not None else make_mesh()  # Explicit axes: see plan.partition.auto_axes
     optimizer = choose_optimizer(optimizer, config)
     adapter = make_adapter(model, policy=unit_policy, threshold=config.persistence_threshold, seed=config.seed,
+                           persistent=config.persistent_params,
                            init_args=init_args, init_kwargs=init_kwargs, logical_axis_rules=logical_axis_rules)
     return Engine(adapter=adapter, config=config, mesh=mesh, optimizer=optimizer, **engine_kw)
 

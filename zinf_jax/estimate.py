@@ -40,7 +40,7 @@ from zinf_jax.optim.grads_out import IN_RAM_BELOW
 from zinf_jax.optim.subgroups import sub_groups
 from zinf_jax.plan.partition import local_shard_devices, make_mesh, plan_partition
 from zinf_jax.plan.placement import place
-from zinf_jax.plan.units import UnitPolicy
+from zinf_jax.plan.units import UnitPolicy, persistent_paths
 from zinf_jax.tiers.nvme_layout import chunk_shape
 
 __all__ = ["Machine", "MemoryEstimate", "CONFIGURATIONS", "RUNTIME_OVERHEAD", "estimate", "estimate_from_sizes",
@@ -353,6 +353,7 @@ def estimate_from_model(
     _warn_unmodelled(config)
     linen = isinstance(model, nn.Module)
     adapter = make_adapter(model, policy=policy, threshold=config.persistence_threshold, seed=config.seed,
+                           persistent=config.persistent_params,
                            init_args=init_args, init_kwargs=init_kwargs)
     if example_batch is None:
         if batch is None or (seq is None and not linen):
@@ -362,7 +363,7 @@ def estimate_from_model(
     loss_fn = loss_fn or ((lambda m, b: m(*b)) if linen else (lambda m, b: m(b)))
     example = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), example_batch)  # global
     layouts = plan_partition(adapter.abstract_params, mesh, config.persistence_threshold, adapter.layout_hints,
-                             config.zero_axes)
+                             config.zero_axes, persistent_paths(adapter.abstract_params, config.persistent_params))
     trained = trainable_paths(adapter, trainable)
     cd = config.resolved_compute_dtype(platform := mesh.devices.flat[0].platform)
     dtype_of = {p: cd if jnp.issubdtype(jnp.dtype(lay.dtype), jnp.floating) else lay.dtype

@@ -91,3 +91,28 @@ def test_explicit_axis_meshes_as_jax_make_mesh_gives_them(names, zero_axes, shar
     for k, v in flat(params).items():
         np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-5, err_msg=k)
     eng.close()
+
+
+def test_persistent_params_keep_a_table_gathered_whatever_its_size(tmp_path):
+    """``persistent_params`` (DeepSpeed's ds_persist): the table is not a unit and is never sharded; reads are plain."""
+    off = zinf.Offload("nvme", path=str(tmp_path))
+    config = zinf.ZeroConfig(offload_param=off, offload_optimizer=off, persistence_threshold=THRESHOLD,
+                             persistent_params=("embed/embedding",))
+    eng = zinf.initialize(lambda: LookupLM(nnx.Rngs(0)), loss_fn=lm_loss, optimizer=zinf.adamw(3e-3, eps=EPS),
+                          config=config)
+    assert "embed" not in [u.path for u in eng.adapter.units] and "embed/embedding" in eng.adapter.glue_paths
+    assert eng.layouts["embed/embedding"].kind == "persistent" and eng.layouts["embed/embedding"].size > THRESHOLD
+    assert eng.layouts["blocks/0/up/kernel"].kind == "sharded"  # the others as before
+    losses = [eng.train_step(t)["loss"] for t in TOKENS[:4]]
+    ref_losses, ref = optax_run(LookupLM(nnx.Rngs(0)), optax.adamw(3e-3, eps=EPS), TOKENS[:4], loss_fn=lm_loss)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    got = eng.param_arrays()
+    for k, v in ref.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-5, err_msg=k)
+    eng.close()
+    with pytest.raises(zinf.UnitPolicyError, match=r"inside the unit 'blocks/0'.*'blocks/0/\.\*'"):
+        zinf.initialize(lambda: LookupLM(nnx.Rngs(0)), loss_fn=lm_loss,
+                        config=zinf.ZeroConfig(persistence_threshold=THRESHOLD,
+                                               persistent_params=("blocks/0/up/kernel",)))
+    with pytest.raises(zinf.ConfigError, match="persistent_params"):
+        zinf.ZeroConfig(persistent_params=("embed/(",))

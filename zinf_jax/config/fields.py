@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping
 from zinf_jax.errors import ConfigError
 
 __all__ = ["Invalid", "as_int", "as_float", "as_other", "as_names", "one_of", "checked", "nested_field", "validate",
-           "build_from_dict", "NONNEG", "POSITIVE", "UNIT", "BOOL", "PATH", "OPTIMIZERS"]
+           "build_from_dict", "as_patterns", "NONNEG", "POSITIVE", "UNIT", "BOOL", "PATH", "OPTIMIZERS"]
 
 OPTIMIZERS = ("adam", "adamw")
 """Optimizer names a config (or a DeepSpeed ``optimizer.type``) may give."""
@@ -60,6 +60,20 @@ def as_names(value: Any) -> tuple[str, ...]:
     """Returns a non-empty list or tuple of non-empty strs (mesh axis names) as a tuple."""
     if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, str) and v for v in value):
         raise Invalid("a non-empty tuple of mesh axis names (non-empty str)")
+    return tuple(value)
+
+
+def as_patterns(value: Any) -> tuple[str, ...]:
+    """Returns a list or tuple of regular expressions (str, each compiling) as a tuple; empty is fine."""
+    import re
+
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+        raise Invalid("a tuple of regular expressions over parameter paths (non-empty str)")
+    for v in value:
+        try:
+            re.compile(v)
+        except re.error as e:
+            raise Invalid(f"a tuple of valid regular expressions ({v!r}: {e})") from None
     return tuple(value)
 
 

@@ -12,6 +12,7 @@ from typing import Any, Mapping
 
 from zinf_jax.config.deepspeed import parse_deepspeed
 from zinf_jax.config.fields import (OPTIMIZERS, BOOL, NONNEG, PATH, POSITIVE, UNIT, as_float, as_int, as_names, as_other,
+                                     as_patterns,
                                      one_of, checked, build_from_dict, nested_field, validate)
 from zinf_jax.errors import ConfigError
 
@@ -132,6 +133,11 @@ class ZeroConfig:
     """Device bytes of gathered parameters alive at once; ``None``: unbounded."""
     persistence_threshold: int = checked(100_000, as_int, 0, ds="stage3_param_persistence_threshold")
     """Parameters with at most this many elements stay gathered on device."""
+    persistent_params: tuple[str, ...] = checked((), as_patterns)
+    """Regular expressions (``re.fullmatch`` on the ``/``-joined path, e.g. ``"embed/embedding"``) of parameters
+    kept gathered on every device whatever their size, like DeepSpeed's per-module ``ds_persist``: never
+    sharded and never part of a unit (a unit whose every parameter matches is not a unit; one that holds
+    both kinds is an error naming it)."""
     compute_dtype: str | None = checked(None, as_other, *one_of(COMPUTE_DTYPES), optional=True)
     """``"float32"``, ``"bfloat16"`` or ``"float16"``; ``None``: float32 on CPU, bfloat16 on GPU/TPU."""
     sub_group_size: int = checked(1_000_000_000, as_int, 1, ds="sub_group_size")

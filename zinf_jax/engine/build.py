@@ -33,6 +33,7 @@ from zinf_jax.optim.choose import loss_scaling, with_clipping
 from zinf_jax.optim.driver import StreamedOptimizer
 from zinf_jax.plan.partition import ParamLayout, local_shard_devices, owns_shard, plan_partition, split_local
 from zinf_jax.plan.placement import Placement, TierPlacement, place
+from zinf_jax.plan.units import persistent_paths
 from zinf_jax.tiers import Tier, open_tier
 
 __all__ = ["Components", "build", "close_quietly"]
@@ -113,7 +114,7 @@ def build(adapter: Any, *, config: ZeroConfig, mesh: Mesh, optimizer: Any, init:
     pretrained = None if params is None else Pretrained(params, adapter.abstract_params)
     compute_dtype = config.resolved_compute_dtype(jax.devices()[0].platform)
     layouts = plan_partition(adapter.abstract_params, mesh, config.persistence_threshold, adapter.layout_hints,
-                             config.zero_axes)
+                             config.zero_axes, persistent_paths(adapter.abstract_params, config.persistent_params))
     where = place(config, compute_dtype)
     local = local_shard_devices(mesh, config.zero_axes)
 

@@ -91,7 +91,7 @@ class LinenAdapter:
     """
 
     def __init__(self, module: nn.Module, init_args: tuple, init_kwargs: dict, policy: UnitPolicy, threshold: int,
-                 seed: int, logical_axis_rules: Any = None):
+                 seed: int, logical_axis_rules: Any = None, persistent: Sequence[str] = ()):
         self.module, self.init_args, self.init_kwargs, self.seed = module, init_args, init_kwargs, seed
         self.hook = HookSlot()
         self._inside = threading.local()  # depth of unit programs being traced on this thread
@@ -121,7 +121,8 @@ class LinenAdapter:
         excluded: dict[tuple, str] = {}
         while True:
             unit_paths = select_units(modules, sizes, policy, threshold,
-                                      is_embedding=lambda m: isinstance(m, nn.Embed), exclude=set(excluded))
+                                      is_embedding=lambda m: isinstance(m, nn.Embed), exclude=set(excluded),
+                                      persistent=persistent)
             bad = {up: why for up in unit_paths if (why := self._cannot_run(up, modules[up], flat, calls))}
             if not bad:
                 break

@@ -142,7 +142,8 @@ class NnxAdapter:
       threshold: persistence threshold in elements.
     """
 
-    def __init__(self, constructor: Callable[[], nnx.Module], policy: UnitPolicy, threshold: int):
+    def __init__(self, constructor: Callable[[], nnx.Module], policy: UnitPolicy, threshold: int,
+                 persistent: Sequence[str] = ()):
         self.constructor = constructor
         self.hook = HookSlot()
         self._run = threading.local()  # sown attributes added during the pass in progress
@@ -157,7 +158,7 @@ class NnxAdapter:
         modules = dict(nnx.iter_modules(abstract))
         sizes = {p: int(l.size) for p, l in zip(paths, leaves)}
         self._unit_paths = select_units(
-            modules, sizes, policy, threshold, is_embedding=lambda m: isinstance(m, nnx.Embed)
+            modules, sizes, policy, threshold, is_embedding=lambda m: isinstance(m, nnx.Embed), persistent=persistent
         )
         self.units: list[Unit] = []
         self._gdef, self._ptree, self._rtree, self._callers = [], [], [], []

@@ -1,7 +1,7 @@
 """One place that turns what the user passes as ``model`` into an adapter."""
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import flax.linen as nn
 
@@ -14,8 +14,8 @@ __all__ = ["make_adapter"]
 
 def make_adapter(model: Callable[[], Any] | nn.Module, *, policy: UnitPolicy | None, threshold: int, seed: int,
                  init_args: tuple = (), init_kwargs: Mapping[str, Any] | None = None,
-                 logical_axis_rules: Any = None) -> NnxAdapter | LinenAdapter:
-    """The adapter for an NNX constructor or a Linen module.
+                 logical_axis_rules: Any = None, persistent: Sequence[str] = ()) -> NnxAdapter | LinenAdapter:
+    """The adapter for an NNX constructor or a Linen module (``persistent``: ``ZeroConfig.persistent_params``).
 
     Raises:
       TypeError: ``model`` is neither.
@@ -23,9 +23,9 @@ def make_adapter(model: Callable[[], Any] | nn.Module, *, policy: UnitPolicy | N
     policy = policy or UnitPolicy()
     if isinstance(model, nn.Module):
         return LinenAdapter(model, tuple(init_args), dict(init_kwargs or {}), policy, threshold, seed,
-                            logical_axis_rules)
+                            logical_axis_rules, persistent=persistent)
     if callable(model):
-        return NnxAdapter(model, policy, threshold)
+        return NnxAdapter(model, policy, threshold, persistent=persistent)
     raise TypeError(f"model must be an NNX constructor (a callable) or a Linen module, got {type(model).__name__}")
 
 

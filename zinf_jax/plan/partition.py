@@ -21,7 +21,7 @@ import contextlib
 import dataclasses
 import functools
 import math
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Collection, Iterable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -243,6 +243,7 @@ def plan_partition(
     persistence_threshold: int,
     hints: Mapping[str, Hint] | None = None,
     zero_axes: Sequence[str] | None = None,
+    persistent: Collection[str] = (),
 ) -> dict[str, ParamLayout]:
     """Decides the layout of every parameter.
 
@@ -257,6 +258,8 @@ def plan_partition(
         dimension mapped to a zero axis); used when it divides by the shard count.
       zero_axes: the axes to shard over (see :func:`zero_axes_of`); the shard
         count is the product of their sizes.
+      persistent: paths kept whole on every device whatever their size
+        (``ZeroConfig.persistent_params``, see :func:`~zinf_jax.plan.units.persistent_paths`).
 
     Returns:
       Path to :class:`ParamLayout`, in the input's order.
@@ -271,7 +274,7 @@ def plan_partition(
         shape = tuple(int(d) for d in leaf.shape)
         dtype = jnp.dtype(leaf.dtype).name
         size = math.prod(shape)
-        if size <= persistence_threshold:
+        if size <= persistence_threshold or path in persistent:
             kind, dim = "persistent", None
         else:
             dims = sorted(range(len(shape)), key=lambda d: (-shape[d], d))

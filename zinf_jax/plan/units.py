@@ -19,7 +19,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from zinf_jax.errors import UnitPolicyError
 
-__all__ = ["UnitPolicy", "Unit", "Plan", "UnitPolicyError", "select_units", "path_str"]
+__all__ = ["UnitPolicy", "Unit", "Plan", "UnitPolicyError", "select_units", "path_str", "persistent_paths"]
 
 
 def path_str(path: Iterable[Any]) -> str:
@@ -83,6 +83,11 @@ def _repeated(path: tuple[Any, ...], siblings: Sequence[Any]) -> bool:
     return sum(1 for s in siblings if (_REPEATED.match(str(s)) or [None, None])[1] == prefix) >= 2
 
 
+def persistent_paths(paths: Iterable[str], patterns: Sequence[str]) -> frozenset[str]:
+    """The paths ``ZeroConfig.persistent_params`` selects (``re.fullmatch`` of any pattern)."""
+    return frozenset(p for p in paths if any(re.fullmatch(pat, p) for pat in patterns))
+
+
 def select_units(
     modules: Mapping[tuple[Any, ...], Any],
     param_sizes: Mapping[tuple[Any, ...], int],
@@ -91,6 +96,7 @@ def select_units(
     *,
     is_embedding: Any = lambda m: False,
     exclude: set[tuple[Any, ...]] = frozenset(),
+    persistent: Sequence[str] = (),
 ) -> list[tuple[Any, ...]]:
     """Chooses unit paths, outermost first, never one inside another.
 
@@ -101,13 +107,21 @@ def select_units(
       threshold: persistence threshold in elements.
       is_embedding: predicate for embedding modules.
       exclude: module paths that must not be units (found unable to run alone).
+      persistent: patterns of parameters kept gathered on every device (``ZeroConfig.persistent_params``):
+        a module all of whose parameters match is never a unit, and they may be of any size.
 
     Returns:
       Unit module paths in depth-first order.
 
     Raises:
-      UnitPolicyError: a parameter larger than ``threshold`` is in no unit.
+      UnitPolicyError: a parameter larger than ``threshold`` is in no unit, or a unit holds some
+        persistent parameters and some that are not.
     """
+    kept = persistent_paths([path_str(p) for p in param_sizes], persistent)
+
+    def all_kept(path: tuple[Any, ...]) -> bool:
+        mine = [p for p in param_sizes if p[: len(path)] == path]
+        return bool(mine) and all(path_str(p) in kept for p in mine)
 
     def size_under(path: tuple[Any, ...]) -> int:
         n = len(path)
@@ -123,7 +137,7 @@ def select_units(
     chosen: list[tuple[Any, ...]] = []
     ordered = sorted(modules, key=lambda p: (len(p), [str(x) for x in p]))
     for path in ordered:  # user rules, repeated blocks, embeddings: outermost first
-        if not path or inside(path) or size_under(path) == 0 or path in exclude:
+        if not path or inside(path) or size_under(path) == 0 or path in exclude or all_kept(path):
             continue
         m = modules[path]
         pick = policy.matches(path, m) or (
@@ -133,12 +147,20 @@ def select_units(
             chosen.append(path)
     if policy.default:  # then large top-level children that hold no unit (the head)
         for path in ordered:
-            if len(path) == 1 and path not in exclude and not inside(path) and not any(c[:1] == path for c in chosen):
+            if (len(path) == 1 and path not in exclude and not inside(path) and not all_kept(path)
+                    and not any(c[:1] == path for c in chosen)):
                 if size_under(path) > threshold:
                     chosen.append(path)
     covered = [p for p in param_sizes if any(p[: len(c)] == c for c in chosen)]
+    for c in chosen:
+        mixed = [path_str(p) for p in param_sizes if p[: len(c)] == c and path_str(p) in kept]
+        if mixed:
+            raise UnitPolicyError(
+                f"persistent_params selects {mixed[:3]} inside the unit {path_str(c)!r}, which also holds parameters "
+                "that are not persistent; a unit is gathered and released whole: select all of its parameters "
+                f"(e.g. {path_str(c) + '/.*'!r}), or make the persistent ones a module outside it")
     for p, s in param_sizes.items():
-        if p not in covered and s > threshold:
+        if p not in covered and s > threshold and path_str(p) not in kept:
             owner = path_str(p[:-1])
             fix = (f"cover it with a unit policy such as UnitPolicy(patterns=({owner!r},))" if owner
                    else "move it into a submodule that is a unit")
