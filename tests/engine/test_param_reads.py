@@ -116,3 +116,57 @@ def test_persistent_params_keep_a_table_gathered_whatever_its_size(tmp_path):
                                                persistent_params=("blocks/0/up/kernel",)))
     with pytest.raises(zinf.ConfigError, match="persistent_params"):
         zinf.ZeroConfig(persistent_params=("embed/(",))
+
+
+@pytest.mark.parametrize("read", ["attr", "variables", "attend"])
+def test_linen_lm_sharing_its_embedding_with_the_head_trains_like_optax(read, tmp_path):
+    from flax import traverse_util
+
+    from helpers.llm_models import LinenTiedLM, linen_loss
+
+    module, tok0 = LinenTiedLM(read=read), TOKENS[0][:, :-1]
+    off = zinf.Offload("nvme", path=str(tmp_path))
+    eng = zinf.initialize(module, init_args=(tok0,), loss_fn=linen_loss, optimizer=zinf.adamw(3e-3, eps=EPS),
+                          config=zinf.ZeroConfig(offload_param=off, offload_optimizer=off,
+                                                 persistence_threshold=THRESHOLD))
+    assert "embed" in [u.path for u in eng.adapter.units] and eng.layouts["embed/embedding"].dim is not None
+    losses = [eng.train_step(t)["loss"] for t in TOKENS[:5]]
+    params = module.init(jax.random.key(0), tok0)["params"]
+    tx = optax.adamw(3e-3, eps=EPS)
+    opt = tx.init(params)
+
+    @jax.jit
+    def step(p, o, t):
+        loss, g = jax.value_and_grad(lambda p: linen_loss(lambda x: module.apply({"params": p}, x), t))(p)
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o, loss
+
+    ref = []
+    for t in TOKENS[:5]:
+        params, opt, loss = step(params, opt, t)
+        ref.append(float(loss))
+    np.testing.assert_allclose(losses, ref, rtol=1e-5)
+    got = eng.param_arrays()
+    for k, v in traverse_util.flatten_dict(params, sep="/").items():
+        np.testing.assert_allclose(got[k], np.asarray(v), rtol=1e-5, atol=1e-5, err_msg=k)
+    eng.close()
+
+
+def test_linen_tied_tables_gradient_sums_both_uses():
+    from flax import traverse_util
+
+    from helpers.engine_utils import linen_adapter
+    from helpers.llm_models import LinenTiedLM, linen_loss
+
+    module, tok0 = LinenTiedLM(read="attr"), TOKENS[0][:, :-1]
+    sm = build(linen_adapter(module, tok0, THRESHOLD), "cpu", threshold=THRESHOLD)
+    glue = sm.store.fetch(sm.adapter.glue_paths)
+    loss, _, g_glue = sm.forward_backward(linen_loss, jax.device_put(TOKENS[0]), glue, has_aux=False)
+    got = streamed_grads(sm, g_glue)
+    params = module.init(jax.random.key(0), tok0)["params"]
+    ref_loss, ref = jax.value_and_grad(lambda p: linen_loss(lambda x: module.apply({"params": p}, x), TOKENS[0]))(
+        params)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+    for k, v in traverse_util.flatten_dict(ref, sep="/").items():
+        np.testing.assert_allclose(got[k], np.asarray(v), rtol=1e-5, atol=1e-7, err_msg=k)
+    sm.prefetcher.close()

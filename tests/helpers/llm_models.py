@@ -53,3 +53,43 @@ class LookupLM(nnx.Module):
 def lm_loss(model, tokens):
     logits = model(tokens[:, :-1])
     return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1))
+
+
+import flax.linen as nn  # noqa: E402  (the Linen models below)
+
+
+class LinenBlock(nn.Module):
+    d: int
+
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.Dense(self.d)(jax.nn.gelu(nn.Dense(4 * self.d)(nn.LayerNorm()(x))))
+
+
+class LinenTiedLM(nn.Module):
+    """A Linen LM whose head shares the embedding: read as ``self.embed.embedding`` (``read="attr"``),
+    through ``self.variables`` (``"variables"``), or with ``embed.attend`` (``"attend"``)."""
+
+    vocab: int = 64
+    d: int = 32
+    read: str = "attr"
+
+    def setup(self):
+        self.embed = nn.Embed(self.vocab, self.d)
+        self.blocks = [LinenBlock(self.d) for _ in range(2)]
+        self.ln = nn.LayerNorm()
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for b in self.blocks:
+            x = b(x)
+        h = self.ln(x)
+        if self.read == "attend":
+            return self.embed.attend(h)
+        table = self.embed.embedding if self.read == "attr" else self.variables["params"]["embed"]["embedding"]
+        return h @ table.T
+
+
+def linen_loss(model, tokens):
+    logits = model(tokens[:, :-1])
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1))

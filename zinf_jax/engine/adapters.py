@@ -32,6 +32,12 @@ from zinf_jax.errors import EngineError
 __all__ = ["InitTrace", "Hook", "HookSlot", "Adapter", "EngineError", "exact_jit_call", "leaf_paths", "get_path"]
 
 
+READ = "__read__:"
+"""Method name of a parameter read outside its unit's call (``model.embed.embedding[...]``): a unit call whose
+program returns that parameter, gathered, so the glue gets its value and its gradient goes to the unit (NNX: a Param attribute of a unit proxy; Linen: a
+parameter a unit's ``setup`` defines, read through the parent)."""
+
+
 class Hook(Protocol):
     """Where wrapped unit calls go: ``hook(uid, method, inputs) -> outputs``."""
 

@@ -33,7 +33,7 @@ from flax import traverse_util
 from flax.core import DenyList, meta
 from flax.core.scope import LazyRng
 
-from zinf_jax.engine.adapters import Hook, HookSlot, InitTrace, exact_jit_call
+from zinf_jax.engine.adapters import READ, Hook, HookSlot, InitTrace, exact_jit_call
 from zinf_jax.plan.units import Unit, UnitPolicy, nbytes_of, path_str, select_units
 
 __all__ = ["LinenAdapter"]
@@ -63,6 +63,49 @@ def _mesh_axes(box: Any, rules: Any) -> tuple | None:
         return None
     spec = tuple(spec or ())
     return spec if any(ax is not None for ax in spec) else None
+
+
+class _LazyParam:
+    """A unit's parameter seen from the glue (the parent reads ``self.embed.embedding``): read on first use.
+
+    Flax's ``setup`` of the unit binds this in place of the value; using it as an array (``@``, ``.T``,
+    indexing, any ``jnp`` function) makes one unit call whose program returns the parameter, gathered
+    (:data:`~zinf_jax.engine.adapters.READ`), once per pass. Shape and dtype are known without a read.
+    """
+
+    def __init__(self, read: Callable[[], Any], abstract: jax.ShapeDtypeStruct):
+        self._read, self._value = read, None
+        self.shape, self.dtype = tuple(abstract.shape), abstract.dtype
+        self.ndim, self.size = len(self.shape), int(abstract.size)
+
+    def value(self) -> Any:
+        if self._value is None:
+            self._value = self._read()
+        return self._value
+
+    def __jax_array__(self) -> Any:
+        return self.value()
+
+    @property
+    def T(self) -> Any:  # noqa: N802 (numpy's name)
+        return self.value().T
+
+    def __getitem__(self, idx: Any) -> Any:
+        return self.value()[idx]
+
+    def __getattr__(self, name: str) -> Any:  # .at, .astype, .reshape, .sum...
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.value(), name)
+
+    def __repr__(self) -> str:
+        return f"_LazyParam(shape={self.shape}, dtype={self.dtype})"
+
+
+for _op in ("add", "sub", "mul", "truediv", "matmul", "pow"):
+    setattr(_LazyParam, f"__{_op}__", lambda self, other, _op=_op: getattr(self.value(), f"__{_op}__")(other))
+    setattr(_LazyParam, f"__r{_op}__", lambda self, other, _op=_op: getattr(self.value(), f"__r{_op}__")(other))
+_LazyParam.__neg__ = lambda self: -self.value()
 
 
 def _merge_sown(old: Any, new: Any) -> Any:
@@ -141,6 +184,7 @@ class LinenAdapter:
                 nbytes=nbytes_of((flat[up + r].shape, flat[up + r].dtype) for r in rel),
             ))
         self._by_path = {up: uid for uid, up in enumerate(unit_paths)}
+        self._unit_tuple = list(unit_paths)
         covered = {p for u in self.units for p in u.param_paths}
         self._glue = [p for p in flat if path_str(p) not in covered]
         self.glue_paths = [path_str(p) for p in self._glue]
@@ -190,6 +234,8 @@ class LinenAdapter:
 
         def fn(full, inputs):
             args, kwargs, cols, rngs, mutable = inputs
+            if method.startswith(READ):  # a parameter read outside the unit's call: its value, gathered
+                return dict(zip(map(path_str, rel), full))[method[len(READ):]], {}
             variables = {"params": traverse_util.unflatten_dict(dict(zip(rel, full))), **cols}
             self._inside.depth = getattr(self._inside, "depth", 0) + 1
             try:  # the unit runs as a root module: its children's paths must not be taken for units
@@ -231,8 +277,8 @@ class LinenAdapter:
         uid = self._by_path.get(tuple(scope.path)) if scope is not None else None
         if uid is None:
             return next_fun(*args, **kwargs)
-        if ctx.method_name == "setup":  # runs inside the unit program: its params are not in the glue's scope
-            return None
+        if ctx.method_name == "setup":  # binds the unit's params to lazy reads (see _LazyParam); no call
+            return next_fun(*args, **kwargs)
         n = self._run.calls.get(uid, 0)
         self._run.calls[uid] = n + 1
         # A unit's first call draws the unwrapped model's bits; later calls of the same unit in
@@ -253,7 +299,14 @@ class LinenAdapter:
     def run(self, loss_fn: Callable, glue: Sequence[jax.Array], state: Any, batch: Any, hook: Hook,
             train: bool = True) -> tuple[Any, Any, Any]:
         """Runs ``loss_fn(model, batch)``; returns ``(loss_out, new_state, None)``."""
-        params = traverse_util.unflatten_dict(dict(zip(self._glue, glue)))
+        flat = dict(zip(self._glue, glue))
+        for uid, (unit, rel) in enumerate(zip(self.units, self._rel)):  # the units' params: read only if used
+            up = tuple(self._unit_tuple[uid])
+            for r in rel:
+                name = path_str(r)
+                flat[up + r] = _LazyParam(lambda uid=uid, name=name: self.hook(uid, READ + name, ((), {}, {}, {}, False))[0],
+                                          self.abstract_params[path_str(up + r)])
+        params = traverse_util.unflatten_dict(flat)
         current = dict(state or {})
 
         def model(*args, rngs=None, mutable=False, **kwargs):

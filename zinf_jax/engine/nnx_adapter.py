@@ -26,7 +26,7 @@ from typing import Any, Callable, Hashable, Sequence
 import jax
 from flax import nnx
 
-from zinf_jax.engine.adapters import EngineError, Hook, HookSlot, InitTrace, exact_jit_call, get_path, leaf_paths
+from zinf_jax.engine.adapters import READ, EngineError, Hook, HookSlot, InitTrace, exact_jit_call, get_path, leaf_paths
 from zinf_jax.plan.units import Unit, UnitPolicy, UnitPolicyError, nbytes_of, path_str, select_units
 
 __all__ = ["NnxAdapter", "UnitProxy"]
@@ -53,11 +53,6 @@ def _set(module: Any, path: tuple[Any, ...], value: Any) -> None:
 
 def _variables(module: Any) -> dict[tuple[Any, ...], nnx.Variable]:
     return {p: v for p, v in nnx.iter_graph(module) if isinstance(v, nnx.Variable)}
-
-
-READ = "__read__:"
-"""Method name of a parameter read outside its unit's call (``model.embed.embedding[...]``): a unit call whose
-program returns that parameter, gathered, so the glue gets its value and its gradient goes to the unit."""
 
 
 class _UnitCaller:
