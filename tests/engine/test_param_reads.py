@@ -43,6 +43,8 @@ def test_the_tied_tables_gradient_sums_both_uses():
     batch = jax.device_put(TOKENS[0])
     loss, _, g_glue = sm.forward_backward(lm_loss, batch, glue, has_aux=False)
     got = streamed_grads(sm, g_glue)
+    reads = [method for _, method in sm.plan.calls if method.startswith("__read__")]
+    assert reads == ["__read__:embedding"]  # two reads of the table in the pass: one fetch
     m = LookupLM(nnx.Rngs(0))
     gdef, params, rest = nnx.split(m, nnx.Param, ...)
     ref_loss, ref = jax.value_and_grad(lambda p: lm_loss(nnx.merge(gdef, p, rest), TOKENS[0]))(params)

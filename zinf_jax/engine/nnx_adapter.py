@@ -92,7 +92,13 @@ class _UnitCaller:
             raise AttributeError(f"unit {proxy.path!r} ({type(self.unit).__name__}) has no attribute {name!r}") from None
         where = f"{proxy.path}.{name}"
         if isinstance(value, nnx.Param):  # read outside the unit's call: fetched like a call that returns it
-            return type(value)(self.call(proxy, READ + name, (), {}))
+            reads = getattr(self.adapter._run, "reads", None)  # the pass's reads so far: one fetch per parameter
+            if reads is None or (self.uid, name) not in reads:
+                out = self.call(proxy, READ + name, (), {})
+                if reads is None:
+                    return type(value)(out)
+                reads[(self.uid, name)] = out
+            return type(value)(reads[(self.uid, name)])
         if isinstance(value, nnx.Variable):
             raise EngineError(
                 f"{where} is a {type(value).__name__} of a streamed unit: its value lives in the engine's tiers, "
@@ -293,11 +299,12 @@ class NnxAdapter:
             batch = jax.tree.map(lambda x: next(it) if nnx.graph.is_graph_node(x) else x, batch,
                                  is_leaf=nnx.graph.is_graph_node)
         self._run.added = added = []
+        self._run.reads = {}  # (uid, name) -> the value of a parameter read outside its unit in this pass
         try:
             with self.hook.installed(hook):
                 out = loss_fn(model, batch)
         finally:
-            self._run.added = None
+            self._run.added = self._run.reads = None
         for parent, name in reversed(added):  # sown values live for one pass
             if name in vars(parent):
                 delattr(parent, name)
