@@ -82,6 +82,11 @@ def test_misuse_fails_before_any_state_changes(tmp_path):
         bad.train_step(b)
     assert bad.step == 0
     bad.close()
+    raw_key = jax.random.fold_in(jax.random.PRNGKey(0), 3)  # an old-style uint32[2] key in the batch
+    with pytest.raises(ValueError, match=r"batch leaf \[1\] of shape \(2,\).*jax.random.wrap_key_data"):
+        eng.train_step((b, raw_key))
+    with pytest.raises(ValueError, match=r"\(7, 17\).*7 does not divide by 8"):
+        eng.train_step(b[:7])
     assert eng.step == 0
     first = eng.train_step(b)["loss"]
     fresh = zinf.initialize(ctor, config=config(tmp_path / "c"), loss_fn=lm_loss)

@@ -13,6 +13,7 @@ keys, NNX ``Rngs`` objects) are shared by every micro-batch.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -20,7 +21,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zinf_jax.plan.partition import batch_spec
+from zinf_jax.plan.partition import batch_axes_of, batch_spec
 
 __all__ = ["micro_batches", "shard_batch"]
 
@@ -67,7 +68,9 @@ def shard_batch(batch: Any, mesh: Mesh) -> Any:
     Arrays already on the mesh stay; typed PRNG keys (``jax.random.key(step)``)
     are replicated; NNX objects (an ``nnx.Rngs``) pass through as state.
     """
-    def put(x: Any) -> Any:
+    parts = math.prod(mesh.shape[a] for a in batch_axes_of(mesh)) // max(1, jax.process_count())
+
+    def put(path: Any, x: Any) -> Any:
         if nnx.graph.is_graph_node(x):  # an nnx.Rngs passed with the batch: state, not data
             return x
         if isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh:
@@ -75,6 +78,13 @@ def shard_batch(batch: Any, mesh: Mesh) -> Any:
         if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):  # a dropout key: every device
             return jax.device_put(x, NamedSharding(mesh, P()))
         x = np.asarray(x)
+        if x.ndim and x.shape[0] % parts:
+            where = jax.tree_util.keystr(path) or "the batch"
+            hint = (" It looks like a raw PRNG key (uint32[2], e.g. jax.random.PRNGKey(...) or fold_in of one): "
+                    "pass a typed key instead, jax.random.key(seed) or jax.random.wrap_key_data(key), which is "
+                    "replicated, not split." if x.shape == (2,) and x.dtype == np.uint32 else "")
+            raise ValueError(f"batch leaf {where} of shape {x.shape}: its leading (batch) axis is split over "
+                             f"{parts} devices of this process and {x.shape[0]} does not divide by {parts}.{hint}")
         return jax.make_array_from_process_local_data(NamedSharding(mesh, batch_spec(mesh, x.ndim)), x)
 
-    return jax.tree.map(put, batch, is_leaf=nnx.graph.is_graph_node)
+    return jax.tree_util.tree_map_with_path(put, batch, is_leaf=nnx.graph.is_graph_node)
