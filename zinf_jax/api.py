@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 from zinf_jax.checkpoint import TrainingState, latest_step_dir, restore_into, save
 from zinf_jax.checkpoint.export import save_safetensors
 from zinf_jax.config import ZeroConfig
+from zinf_jax.engine.adapters import model_sharding_explained
 from zinf_jax.engine.batching import shard_batch
 from zinf_jax.engine.build import Components, build, close_quietly
 from zinf_jax.engine.stepping import Loss, Stepper
@@ -50,7 +51,7 @@ class Engine:
                  has_aux: bool = False, **build_kw: Any):
         self.optimizer_spec = optimizer
         self.loss_fn, self.has_aux = loss_fn, has_aux  # the training loss (``(loss, aux)`` when has_aux)
-        with no_mesh():
+        with no_mesh(), model_sharding_explained():
             self.components: Components = build(adapter, config=config, mesh=mesh, optimizer=optimizer, **build_kw)
         self._stepper = Stepper(self.components)
         if inert := config.inert_settings():
@@ -159,7 +160,7 @@ class Engine:
             argument: pass a loss that calls the model with it (``train=False``).
         """
         self._usable("eval_step", batch)
-        with no_mesh():
+        with no_mesh(), model_sharding_explained():
             batch = self.shard_batch(batch)
             glue = self.store.fetch(self.adapter.glue_paths)
             return self.streamed.forward(loss_fn or self.loss_fn, batch, glue, has_aux=True)  # as the loss returns it

@@ -172,3 +172,36 @@ def test_linen_tied_tables_gradient_sums_both_uses():
     for k, v in traverse_util.flatten_dict(ref, sep="/").items():
         np.testing.assert_allclose(got[k], np.asarray(v), rtol=1e-5, atol=1e-7, err_msg=k)
     sm.prefetcher.close()
+
+
+class _EagerSharded(nnx.Module):
+    """Shards its own kernels (Flax eager sharding) or its own lookup (out_sharding in the glue)."""
+
+    def __init__(self, rngs: nnx.Rngs, eager: bool):
+        meta = {"out_sharding": ("fsdp", "tp")} if eager else {}
+        self.embed = nnx.Embed(64, 32, rngs=rngs)
+        self.blocks = nnx.List([nnx.Linear(32, 32, kernel_metadata=meta, rngs=rngs) for _ in range(2)])
+
+    def __call__(self, tokens):
+        P = jax.sharding.PartitionSpec
+        x = self.embed.embedding[...].at[(tokens,)].get(out_sharding=P("fsdp", None, None))
+        for b in self.blocks:
+            x = x + b(x)
+        return x @ self.embed.embedding[...].T
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager_sharding_metadata", "out_sharding_in_the_glue"])
+def test_a_model_that_shards_its_own_arrays_gets_one_error_naming_the_fix(eager):
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tp"))
+    with jax.set_mesh(mesh):
+        build_it = lambda: zinf.initialize(lambda: _EagerSharded(nnx.Rngs(0), eager), loss_fn=lm_loss, mesh=mesh,  # noqa: E731
+                                           config=zinf.ZeroConfig(persistence_threshold=THRESHOLD, zero_axes=("fsdp",)))
+        if eager:
+            with pytest.raises(zinf.EngineError, match=r"shards its own arrays.*no_sharding\(\).*zinf.initialize"):
+                build_it()
+            return
+        eng = build_it()
+        with pytest.raises(zinf.EngineError, match="shards its own arrays"):
+            eng.train_step(TOKENS[0])
+        assert eng.step == 0
+        eng.close()

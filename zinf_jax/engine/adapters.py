@@ -38,6 +38,34 @@ program returns that parameter, gathered, so the glue gets its value and its gra
 parameter a unit's ``setup`` defines, read through the parent)."""
 
 
+_OWN_SHARDING = ("mesh context", "out_sharding", "auto mesh")
+"""What JAX and Flax say when code places arrays by a mesh that is not there."""
+
+
+@contextlib.contextmanager
+def model_sharding_explained() -> Iterator[None]:
+    """Turns the errors of a model that shards its own arrays into one :class:`EngineError` naming the fix.
+
+    Models written for JAX's sharding-in-types (Flax eager sharding: ``out_sharding`` metadata on their
+    variables; ``PartitionSpec`` s in their code: ``.at[...].get(out_sharding=...)``, ``jax.sharding.reshard``)
+    need the user's mesh while they trace; the engine's programs run without it (it does the ZeRO sharding
+    itself, on an Auto view of the mesh), so such code fails inside JAX with a message about a missing mesh.
+    """
+    try:
+        yield
+    except ValueError as e:
+        text = str(e)
+        if not any(h in text for h in _OWN_SHARDING):
+            raise
+        raise EngineError(
+            "the model shards its own arrays (Flax eager sharding: out_sharding metadata on its variables, or "
+            "PartitionSpecs in its code: .at[...].get(out_sharding=...), jax.sharding.reshard); zinf_jax does the "
+            "ZeRO sharding itself and traces the model without a mesh, so these cannot apply (tensor-parallel "
+            "model shardings are not supported yet): build the model without its sharding config (e.g. its "
+            "ShardConfig.no_sharding()) and pass the mesh to zinf.initialize(mesh=...). JAX said: "
+            f"{text.splitlines()[0][:300]}") from e
+
+
 class Hook(Protocol):
     """Where wrapped unit calls go: ``hook(uid, method, inputs) -> outputs``."""
 

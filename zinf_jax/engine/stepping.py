@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 from jax.profiler import TraceAnnotation
 
+from zinf_jax.engine.adapters import model_sharding_explained
 from zinf_jax.engine.batching import micro_batches, shard_batch
 from zinf_jax.errors import EngineError
 from zinf_jax.optim.driver import NORM_DONE
@@ -145,7 +146,7 @@ class Stepper:
 
         ``after``: run before the first backward (the sink is then not cleared at the start).
         """
-        with no_mesh():  # not under a mesh the caller set (see plan.partition.no_mesh)
+        with no_mesh(), model_sharding_explained():  # not under a mesh the caller set (plan.partition.no_mesh)
             return self._forward_backward_on_mesh(batch, objective, after)
 
     def _forward_backward_on_mesh(self, batch: Any, objective: Loss, after: Callable[[], None] | None) -> _Grads:
