@@ -118,3 +118,17 @@ def test_tensorboard_without_a_writer_package_is_refused_up_front(monkeypatch, t
     assert main(["train", "--run-dir", str(tmp_path / "r"), "--tensorboard", str(tmp_path / "tb")]) == 2
     assert "pip install 'zinf-jax[tensorboard]'" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()  # refused before anything is made
+
+
+def test_estimate_counts_host_and_nvme_per_process(capsys):
+    args = ["estimate", "--layers", "8", "--hidden", "1024", "--devices", "8", "--json"]
+    assert main(args) == 0
+    one = {(e["param_tier"], e["optimizer_tier"]): e for e in json.loads(capsys.readouterr().out)}
+    assert main([*args, "--processes", "4"]) == 0
+    four = {(e["param_tier"], e["optimizer_tier"]): e for e in json.loads(capsys.readouterr().out)}
+    both = four[("nvme", "nvme")]
+    assert both["n_processes"] == 4 and both["n_devices"] == 2  # devices of one process
+    ratio = both["nvme_bytes"] / one[("nvme", "nvme")]["nvme_bytes"]
+    assert 0.24 < ratio < 0.27, ratio  # each host's disk holds its quarter of the state (+ its key metadata)
+    assert main([*args, "--processes", "3"]) == 2
+    assert "--processes 3: must divide --devices 8" in capsys.readouterr().err

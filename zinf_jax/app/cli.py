@@ -99,7 +99,9 @@ def _estimate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--vocab", type=int, default=50257, help="vocabulary size; default: %(default)s")
     p.add_argument("--seq", type=int, default=2048, help="tokens per sequence; default: %(default)s")
     p.add_argument("--batch", type=int, default=8, help="sequences per step (whole job); default: %(default)s")
-    p.add_argument("--devices", type=int, default=8, help="accelerators in the job; default: %(default)s")
+    p.add_argument("--devices", type=int, default=8, help="accelerators in the whole job; default: %(default)s")
+    p.add_argument("--processes", type=int, default=1, help="processes (hosts) the devices are spread over evenly; "
+                   "host and nvme figures are per process; default: %(default)s")
     p.add_argument("--gpu-gib", type=float, help="memory per device in GiB, to report what fits (with --host-gib "
                    "and --disk-gib)")
     p.add_argument("--host-gib", type=float, help="host RAM in GiB")
@@ -114,7 +116,7 @@ def _stderr_fd() -> int | None:
         return None
 
 
-_POSITIVE_INTS = ("layers", "hidden", "vocab", "seq", "batch", "devices")
+_POSITIVE_INTS = ("layers", "hidden", "vocab", "seq", "batch", "devices", "processes")
 _POSITIVE_FLOATS = ("params", "gpu_gib", "host_gib", "disk_gib")
 
 
@@ -128,6 +130,8 @@ def _check_estimate(a: argparse.Namespace) -> None:
         v = getattr(a, name)
         if v is not None and not (math.isfinite(v) and v > 0):
             raise ValueError(f"--{name.replace('_', '-')} {v}: must be a finite number > 0")
+    if a.devices % a.processes:
+        raise ValueError(f"--processes {a.processes}: must divide --devices {a.devices} (the devices are spread evenly)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,12 +185,12 @@ def _main(argv: list[str] | None, stop: StopRequest) -> int:
         if a.layers is None or a.hidden is None:
             raise ValueError("estimate needs --layers and --hidden (and optionally --params, --vocab, --seq, --batch)")
         ests = estimate_from_sizes(None if a.params is None else int(a.params), a.layers, a.hidden, a.vocab, a.seq,
-                                   a.batch, n_devices=a.devices, platform="gpu")
+                                   a.batch, n_devices=a.devices, n_processes=a.processes, platform="gpu")
         gib = 1 << 30
         machine = None
         if None not in (a.gpu_gib, a.host_gib, a.disk_gib):
             machine = Machine(gpu_bytes=int(a.gpu_gib * gib), host_bytes=int(a.host_gib * gib),
-                              disk_bytes=int(a.disk_gib * gib), n_devices=a.devices)
+                              disk_bytes=int(a.disk_gib * gib), n_devices=a.devices // a.processes)
         if a.json:
             import dataclasses as dc
             print(json.dumps([dc.asdict(e) for e in ests], indent=1, default=str))
