@@ -103,7 +103,10 @@ def _remove_when_settled(tmp: Path, before: set[threading.Thread], settle_s: flo
     deadline = time.monotonic() + timeout_s
     for t in threading.enumerate():
         if t not in before and type(t).__module__.startswith("orbax"):
-            t.join(max(0.0, deadline - time.monotonic()))
+            try:
+                t.join(max(0.0, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001 orbax's threads re-raise their own failure from join(): that is the
+                pass  # failure of this save, already on its way out as the one CheckpointError
     gone_since = None
     while time.monotonic() < deadline:
         if tmp.exists():
