@@ -70,27 +70,13 @@ def test_explicit_axis_meshes_as_jax_make_mesh_gives_them(names, zero_axes, shar
         losses += [m["loss"] for m in eng.train_steps(TOKENS[2:4])]
         assert np.isfinite(eng.eval_step(TOKENS[0]))
     # the reference: plain jit + optax on the same (Explicit) mesh, everything replicated
-    m = TiedHeadLM(nnx.Rngs(0))
-    gdef, params, rest = nnx.split(m, nnx.Param, ...)
-    tx = optax.adamw(3e-3, eps=EPS)
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     with jax.set_mesh(mesh):
-        rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        params, rest = jax.device_put((params, rest), rep)
-        opt = jax.device_put(tx.init(params), rep)
-
-        @jax.jit
-        def step(p, o, t):
-            loss, g = jax.value_and_grad(lambda p: lm_loss(nnx.merge(gdef, p, rest), t))(p)
-            u, o = tx.update(g, o, p)
-            return optax.apply_updates(p, u), o, loss
-
-        ref = []
-        for t in TOKENS[:4]:
-            params, opt, loss = step(params, opt, jax.device_put(t, rep))
-            ref.append(float(loss))
+        ref, ref_params = optax_run(TiedHeadLM(nnx.Rngs(0)), optax.adamw(3e-3, eps=EPS), TOKENS[:4], loss_fn=lm_loss,
+                                    place=lambda x: jax.device_put(x, rep))
     np.testing.assert_allclose(losses, ref, rtol=1e-5)
     got = eng.param_arrays()
-    for k, v in flat(params).items():
+    for k, v in ref_params.items():
         np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-5, err_msg=k)
     eng.close()
 

@@ -80,10 +80,15 @@ def flat(state):
     return {path_str(p): np.asarray(v) for p, v in zip(leaf_paths(state), jax.tree.leaves(state))}
 
 
-def optax_run(model, tx, data, loss_fn=lm_loss, wrt=nnx.Param):
-    """The reference: plain jit(value_and_grad) + optax on the unwrapped NNX model; losses and final params."""
+def optax_run(model, tx, data, loss_fn=lm_loss, wrt=nnx.Param, place=jnp.asarray):
+    """The reference: plain jit(value_and_grad) + optax on the unwrapped NNX model; losses and final params.
+
+    ``place`` puts the params, optimizer state and each batch where the step runs (default: as they are;
+    e.g. replicated on a mesh set with ``jax.set_mesh``).
+    """
     gdef, params, rest = nnx.split(model, wrt, ...)
-    opt_state = tx.init(params)
+    params, rest = jax.tree.map(place, (params, rest))
+    opt_state = jax.tree.map(place, tx.init(params))
 
     @jax.jit
     def step(params, opt_state, b):
@@ -93,6 +98,6 @@ def optax_run(model, tx, data, loss_fn=lm_loss, wrt=nnx.Param):
 
     losses = []
     for b in data:
-        params, opt_state, loss = step(params, opt_state, jnp.asarray(b))
+        params, opt_state, loss = step(params, opt_state, place(b))
         losses.append(float(loss))
     return losses, flat(nnx.state(nnx.merge(gdef, params, rest), nnx.Param))
