@@ -24,7 +24,7 @@ from zinf_jax.checkpoint import TrainingState, latest_step_dir, restore_into, sa
 from zinf_jax.checkpoint.export import save_safetensors
 from zinf_jax.config import ZeroConfig
 from zinf_jax.engine.adapters import model_sharding_explained
-from zinf_jax.engine.batching import shard_batch
+from zinf_jax.engine.batching import micro_batches, shard_batch
 from zinf_jax.engine.build import Components, build, close_quietly
 from zinf_jax.engine.stepping import Loss, Stepper
 from zinf_jax.engine.streamed import ParamLoss
@@ -57,6 +57,10 @@ class Engine:
         if inert := config.inert_settings():
             warnings.warn("zinf_jax: these settings are accepted for DeepSpeed compatibility but have no effect: "
                           + ", ".join(inert), UserWarning, stacklevel=3)
+        if self.mode == "compiled" and (streamed_only := _streamed_only(config)):
+            warnings.warn("zinf_jax: the compiled engine runs (engine.mode == 'compiled'); these settings of the "
+                          f"streamed engine have no effect: {', '.join(streamed_only)} (ZeroConfig(engine='streamed') "
+                          "to use them)", UserWarning, stacklevel=3)
 
     adapter = property(lambda self: self.components.adapter, doc="The model's adapter (NNX or Linen).")
     config = property(lambda self: self.components.config, doc="The engine's :class:`ZeroConfig`.")
@@ -69,7 +73,22 @@ class Engine:
     grad_tier = property(lambda self: self.components.grad_tier, doc="The scratch gradient tier, or None.")
     optimizer = property(lambda self: self.components.optimizer, doc="The streamed optimizer.")
     store = property(lambda self: self.components.store, doc="The parameter store over the param tier.")
-    streamed = property(lambda self: self.components.streamed, doc="The streamed forward/backward.")
+    passes = property(lambda self: self.components.passes,
+                      doc="The forward/backward passes (a ``CompiledModel`` or a ``StreamedModel``, see :attr:`mode`).")
+
+    @property
+    def mode(self) -> str:
+        """Which engine runs the steps: ``"compiled"`` (one XLA program per step) or ``"streamed"``
+        (units fetched from their tier between unit programs). See ``ZeroConfig.engine``."""
+        return self.components.placement.engine
+
+    @property
+    def streamed(self) -> Any:
+        """The streamed forward/backward (``mode == "streamed"`` only)."""
+        if self.mode != "streamed":
+            raise EngineError("engine.streamed: this engine runs the compiled engine (engine.mode == 'compiled'); "
+                              "use engine.passes, or ZeroConfig(engine='streamed') for the streamed one")
+        return self.components.passes
     gate = property(lambda self: self.components.gate, doc="The write gate of overlapped steps.")
 
     @property
@@ -163,7 +182,30 @@ class Engine:
         with no_mesh(), model_sharding_explained():
             batch = self.shard_batch(batch)
             glue = self.store.fetch(self.adapter.glue_paths)
-            return self.streamed.forward(loss_fn or self.loss_fn, batch, glue, has_aux=True)  # as the loss returns it
+            return self.passes.forward(loss_fn or self.loss_fn, batch, glue, has_aux=True)  # as the loss returns it
+
+    def lower(self, batch: Any) -> jax.stages.Lowered:
+        """The training step's program for ``batch`` (compiled mode), lowered: read its HLO (``.as_text()``),
+        ``.cost_analysis()``, and ``.compile().memory_analysis()``.
+
+        It is the program ``train_step`` runs for a batch of this signature (forward, backward and the
+        gradients out to the optimizer; a micro-batch's with gradient accumulation); nothing changes.
+
+        Raises:
+          EngineError: the streamed engine runs (``engine.mode == "streamed"``): it has no one program.
+        """
+        self._usable("lower", batch)
+        if self.mode != "compiled":
+            raise EngineError("engine.lower(): the streamed engine runs this model (engine.mode == 'streamed'), a "
+                              "program per unit with I/O between them, not one step program; the compiled engine "
+                              "needs params in device or host memory (offload_param 'none' or 'cpu') and "
+                              "ZeroConfig(engine='auto' or 'compiled')")
+        k = self.config.gradient_accumulation_steps
+        with no_mesh(), model_sharding_explained():
+            part = self.shard_batch(micro_batches(batch, k)[0])
+            glue = self.store.fetch(self.adapter.glue_paths)
+            return self.passes.lower(self.loss_fn, part, glue, has_aux=self.has_aux,
+                                     loss_scale=self.optimizer.loss_scale / k)
 
     # --- reading back -----------------------------------------------------------------
     def param_arrays(self) -> dict[str, np.ndarray]:
@@ -185,7 +227,7 @@ class Engine:
         and other kept collections), as host arrays in the model's own structure."""
         self._usable("model_state")
         host = jax.tree.map(lambda x: x if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else np.asarray(x),
-                            self.streamed.state)
+                            self.passes.state)
         return self.adapter.model_state(host)
 
     def save(self, directory: str | os.PathLike, *, user_state: Mapping[str, Any] | None = None,
@@ -235,7 +277,7 @@ class Engine:
             return
         self._stepper.close()
         try:
-            c.streamed.prefetcher.close()
+            c.passes.close()
         finally:
             try:
                 c.param_tier.close()
@@ -245,6 +287,13 @@ class Engine:
                 finally:
                     if c.grad_tier is not None:
                         c.grad_tier.close()
+
+
+def _streamed_only(config: ZeroConfig) -> list[str]:
+    """The streamed engine's settings that differ from their defaults (no effect in compiled mode)."""
+    default = ZeroConfig()
+    return [f"{name}={getattr(config, name)!r}" for name in ("prefetch_depth", "max_live_bytes")
+            if getattr(config, name) != getattr(default, name)]
 
 
 def initialize(

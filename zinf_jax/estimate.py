@@ -91,6 +91,9 @@ class MemoryEstimate:
       n_processes: processes (hosts).
       compute_dtype: dtype of params on device and in the param tier.
       params: parameter count of the model.
+      engine: the engine these tiers run (``"compiled"`` or ``"streamed"``, see ``ZeroConfig.engine``). The
+        device figures follow the streamed schedule (units gathered ``prefetch_depth`` ahead); a compiled
+        engine's program reports its own: ``engine.lower(batch).compile().memory_analysis()``.
     """
 
     param_tier: str
@@ -106,6 +109,7 @@ class MemoryEstimate:
     n_processes: int
     compute_dtype: str
     params: int
+    engine: str = "streamed"
 
     def required(self) -> dict[str, int]:
         """Bytes needed per tier: state plus overheads (device per device; host, nvme per process)."""
@@ -222,7 +226,8 @@ def _estimate(d: _Digest, config: ZeroConfig, pt: str, ot: str, platform: str) -
         host_bytes=sum(host.values()), nvme_bytes=sum(nvme.values()), breakdown=breakdown,
         device_overhead_bytes=RUNTIME_OVERHEAD.get(platform, RUNTIME_OVERHEAD["gpu"])[0] + d.workspace,
         host_overhead_bytes=RUNTIME_OVERHEAD.get(platform, RUNTIME_OVERHEAD["gpu"])[1] + staging,
-        n_devices=d.n_local, n_processes=d.n_processes, compute_dtype=d.compute_dtype, params=d.params)
+        n_devices=d.n_local, n_processes=d.n_processes, compute_dtype=d.compute_dtype, params=d.params,
+        engine=where.engine)
 
 
 def estimate_from_sizes(
@@ -414,14 +419,14 @@ def fits(estimates: Iterable[MemoryEstimate], machine: Machine) -> list[MemoryEs
 
 def format_report(estimates: Sequence[MemoryEstimate], machine: Machine | None = None) -> str:
     """A table of the bytes each configuration needs per tier, with ✓/✗ against ``machine``."""
-    rows = [["param", "optimizer", "device (each)", "host", "nvme"] + (["fits"] if machine else [])]
+    rows = [["param", "optimizer", "engine", "device (each)", "host", "nvme"] + (["fits"] if machine else [])]
     for e in estimates:
         req, ok = e.required(), e.fits_tiers(machine) if machine else {}
         mark = lambda t: (" ✓" if ok[t] else " ✗") if machine else ""  # noqa: E731
-        rows.append([e.param_tier, e.optimizer_tier] + [human_bytes(req[t]) + mark(t) for t in ("device", "host", "nvme")]
+        rows.append([e.param_tier, e.optimizer_tier, e.engine] + [human_bytes(req[t]) + mark(t) for t in ("device", "host", "nvme")]
                     + (["✓" if all(ok.values()) else "✗"] if machine else []))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    lines = ["  ".join(c.rjust(w) if i > 2 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "-" * len(lines[0]))
     e = estimates[0] if estimates else None
     lines += [f"{e.params:,} params, {e.compute_dtype}, {e.n_devices} devices x {e.n_processes} process(es); zinf "

@@ -45,8 +45,9 @@ def mesh():
 
 
 def zconfig(param="none", opt="cpu", path=None, **kw):
+    """The streamed engine's settings: its own device accounting is what the estimate replays."""
     return zinf.ZeroConfig(offload_param=zinf.Offload(param, path=path), offload_optimizer=zinf.Offload(opt, path=path),
-                           persistence_threshold=THRESHOLD, **kw)
+                           persistence_threshold=THRESHOLD, engine="streamed", **kw)
 
 
 def example(cfg=CFG):

@@ -125,11 +125,11 @@ class TrainingState:
     @property
     def model_state(self) -> Any:
         """The model's non-parameter state (a pytree of global arrays, typed PRNG keys among them)."""
-        return self._c.streamed.state
+        return self._c.passes.state
 
     @model_state.setter
     def model_state(self, value: Any) -> None:
-        self._c.streamed.replace_state(value)
+        self._c.passes.replace_state(value)
 
     @property
     def user_state(self) -> dict[str, Any]:

@@ -21,6 +21,7 @@ __all__ = ["ConfigError", "Offload", "AioConfig", "LossScaleConfig", "OptimizerC
 DEVICES = ("none", "cpu", "nvme")
 ALIGN_BYTES = 4096  # smallest chunk file: one direct-I/O block
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+ENGINES = ("auto", "compiled", "streamed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +125,12 @@ class ZeroConfig:
 
     offload_param: Offload = nested_field(Offload("none"), Offload)
     """Tier of the compute-dtype parameter shards between uses."""
+    engine: str = checked("auto", as_other, *one_of(ENGINES))
+    """How a step runs. ``"compiled"``: forward and backward are one XLA program per batch signature, the
+    parameters' shards staged into device memory and gathered inside it (needs ``offload_param`` ``"none"``
+    or ``"cpu"``). ``"streamed"``: an eager interpreter fetches each unit's parameters from its tier between
+    unit programs (any tier; the only one for ``"nvme"`` params). ``"auto"``: compiled where it can run,
+    else streamed (``engine.mode`` says which)."""
     offload_optimizer: Offload = nested_field(Offload("cpu"), Offload)
     """Tier of the fp32 master params and optimizer states; ``"none"``: in device memory (sharded like the
     params; the update still streams through host buffers on the CPU)."""
@@ -174,7 +181,30 @@ class ZeroConfig:
     """Mesh axes parameters are sharded over (shard count: the product of their sizes), replicated over
     the others; ``None``: every axis not named ``data`` or ``tensor`` (``fsdp`` with ``make_mesh``)."""
 
-    __post_init__ = validate
+    def __post_init__(self) -> None:
+        validate(self)
+        if self.engine == "compiled" and (why := self.why_not_compiled()):
+            detail = f"the compiled engine cannot run with {why}; use engine='auto' (it picks the streamed one) or 'streamed'"
+            raise ConfigError(f"ZeroConfig.engine: {detail}", field="engine", detail=detail)
+
+    def why_not_compiled(self, param_device: str | None = None) -> str | None:
+        """What keeps the compiled engine from running these settings (``None``: nothing).
+
+        Args:
+          param_device: another param tier than ``offload_param.device`` (the estimator's configurations).
+        """
+        if (param_device or self.offload_param.device) == "nvme":
+            return "offload_param='nvme' (parameters are fetched from disk between unit programs)"
+        if self.offload_activations:
+            return "offload_activations=True (the streamed engine parks unit inputs in host memory)"
+        return None
+
+    def resolved_engine(self, param_device: str | None = None) -> str:
+        """``"compiled"`` or ``"streamed"``: the engine these settings run (``engine="auto"`` resolved)."""
+        if self.engine == "streamed" or self.why_not_compiled(param_device):
+            return "streamed"
+        return "compiled"
+
 
     def resolved_compute_dtype(self, platform: str) -> str:
         """Returns ``compute_dtype``, or if None ``"float32"`` on CPU and ``"bfloat16"`` elsewhere.

@@ -3,8 +3,10 @@
 :func:`build` opens the tiers that :func:`~zinf_jax.plan.placement.place` names, the streamed
 optimizer over the optimizer tier, the :class:`~zinf_jax.engine.store.ParamStore` over the param
 tier, creates the parameters unit by unit (``init="fresh"``; a restore fills them from a
-checkpoint instead) and the :class:`~zinf_jax.engine.streamed.StreamedModel` whose hooks run
-the units. The result is one small frozen object that the training steps
+checkpoint instead) and the passes that run the model: the
+:class:`~zinf_jax.engine.compiled.CompiledModel` (one program per step) or the
+:class:`~zinf_jax.engine.streamed.StreamedModel` whose hooks run the units
+(:attr:`~zinf_jax.plan.placement.Placement.engine` decides). The result is one small frozen object that the training steps
 (:class:`~zinf_jax.engine.stepping.Stepper`) and the checkpoint state
 (:class:`~zinf_jax.checkpoint.state.TrainingState`) receive, instead of the whole
 :class:`~zinf_jax.api.Engine`: nothing below the API reaches into the engine.
@@ -27,6 +29,7 @@ from zinf_jax.engine.lifecycle import LifeCycle
 from zinf_jax.engine.overlap import WriteGate
 from zinf_jax.engine.pretrained import Pretrained
 from zinf_jax.engine.store import ParamStore, local_indices_of
+from zinf_jax.engine.compiled import CompiledModel
 from zinf_jax.engine.streamed import ParamLoss, StreamedModel
 from zinf_jax.engine.wrap import trainable_paths
 from zinf_jax.optim.choose import loss_scaling, with_clipping
@@ -55,7 +58,8 @@ class Components:
       grad_tier: the scratch gradient tier, or None.
       optimizer: the streamed optimizer over ``opt_tier``.
       store: the parameters in ``param_tier`` (and, shared, the optimizer's master).
-      streamed: the streamed forward/backward.
+      passes: the forward/backward passes: a :class:`~zinf_jax.engine.compiled.CompiledModel` (one
+        program per step) or a :class:`~zinf_jax.engine.streamed.StreamedModel` (``placement.engine``).
       gate: the write gate of overlapped steps (see :mod:`zinf_jax.engine.overlap`).
       life: the engine's life cycle.
       user_state: JSON data saved with each checkpoint (the engine's ``user_state``).
@@ -73,7 +77,7 @@ class Components:
     grad_tier: Tier | None
     optimizer: StreamedOptimizer
     store: ParamStore
-    streamed: StreamedModel
+    passes: CompiledModel | StreamedModel
     gate: WriteGate
     life: LifeCycle = dataclasses.field(default_factory=LifeCycle)
     user_state: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -152,13 +156,21 @@ def build(adapter: Any, *, config: ZeroConfig, mesh: Mesh, optimizer: Any, init:
                               values=None if pretrained is None else pretrained.read)
             opt.commit({"step": 0})
         gate = WriteGate()
-        streamed = StreamedModel(
-            adapter, store, prefetch_depth=config.prefetch_depth, max_live_bytes=config.max_live_bytes,
-            offload_activations=config.offload_activations, track_live_arrays=track_live_arrays,
-            activation_checkpointing=config.activation_checkpointing, param_loss=param_loss, trainable=trained,
-            sink=GradSink(layouts, mesh, target=opt.grads), gate=gate,
-        )
+        sink = GradSink(layouts, mesh, target=opt.grads)
+        if where.engine == "compiled":
+            passes: CompiledModel | StreamedModel = CompiledModel(
+                adapter, store, host_params=where.params.device == "cpu",
+                grads_on_host=where.optimizer.device != "none",
+                activation_checkpointing=config.activation_checkpointing, param_loss=param_loss,
+                trainable=trained, sink=sink, gate=gate)
+        else:
+            passes = StreamedModel(
+                adapter, store, prefetch_depth=config.prefetch_depth, max_live_bytes=config.max_live_bytes,
+                offload_activations=config.offload_activations, track_live_arrays=track_live_arrays,
+                activation_checkpointing=config.activation_checkpointing, param_loss=param_loss,
+                trainable=trained, sink=sink, gate=gate,
+            )
         undo.pop_all()
     return Components(adapter=adapter, config=config, mesh=mesh, layouts=layouts, trainable=trained,
                       compute_dtype=compute_dtype, placement=where, param_tier=param_tier, opt_tier=opt_tier,
-                      grad_tier=grad_tier, optimizer=opt, store=store, streamed=streamed, gate=gate)
+                      grad_tier=grad_tier, optimizer=opt, store=store, passes=passes, gate=gate)

@@ -100,9 +100,9 @@ class Stepper:
                     nxt = None
                     if batch is not _END:
                         eng.life.check("train_steps", batch)
-                        at_step = eng.streamed.state  # the model state of step N, for the loop body
+                        at_step = eng.passes.state  # the model state of step N, for the loop body
                         nxt = self._forward_backward(batch, loss, after=self._grads_read)
-                        nxt.state = eng.streamed.replace_state(at_step)
+                        nxt.state = eng.passes.replace_state(at_step)
                 finally:
                     m = step.result()  # an optimizer error surfaces here, after the forward stopped
                 now = time.perf_counter()
@@ -111,13 +111,13 @@ class Stepper:
                 yield m
                 if nxt is None:
                     return
-                eng.streamed.replace_state(nxt.state)
+                eng.passes.replace_state(nxt.state)
                 grads = nxt
         finally:
             eng.life.leave_loop()
             eng.gate.open()
             if not eng.life.closed:
-                eng.streamed.sink.clear()  # the gradients of a batch drawn but not stepped
+                eng.passes.sink.clear()  # the gradients of a batch drawn but not stepped
 
     def _worker(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -135,7 +135,7 @@ class Stepper:
         See [Note: write gate].
         """
         self.c.gate.wait()
-        self.c.streamed.sink.clear()
+        self.c.passes.sink.clear()
 
     def _grads_out_s(self) -> float:
         grads = self.c.optimizer.grads
@@ -152,7 +152,7 @@ class Stepper:
     def _forward_backward_on_mesh(self, batch: Any, objective: Loss, after: Callable[[], None] | None) -> _Grads:
         eng = self.c
         t0 = time.perf_counter()
-        waits = eng.streamed.prefetcher.wait_s, self._grads_out_s()
+        waits = eng.passes.fetch_wait_s, self._grads_out_s()
         k = eng.config.gradient_accumulation_steps
         parts = micro_batches(batch, k)  # before any state changes: a batch that does not split is refused
         # an optimizer step in flight: its norm all-reduce (a collective, across processes) goes first
@@ -162,24 +162,24 @@ class Stepper:
         try:
             for i, part in enumerate(parts):  # each backward seeded with scale / k: the sink sums the mean gradient
                 part = shard_batch(part, eng.mesh)
-                loss, aux, g_glue = eng.streamed.forward_backward(
+                loss, aux, g_glue = eng.passes.forward_backward(
                     objective.fn, part, glue, has_aux=objective.has_aux, loss_scale=eng.optimizer.loss_scale / k,
                     accumulate=i > 0 or after is not None, before_backward=after if i == 0 else None,
                 )
                 for path, g in zip(eng.adapter.glue_paths, g_glue):
                     if path in eng.trainable:  # replicated: one copy
-                        eng.streamed.sink.add_local(path, 0, np.asarray(g.addressable_data(0), np.float32))
+                        eng.passes.sink.add_local(path, 0, np.asarray(g.addressable_data(0), np.float32))
                 losses.append(float(loss))
                 auxes.append(aux)
         except BaseException:
             if after is not None:
                 eng.gate.wait()  # the optimizer step in flight may still be reading the sink
-            eng.streamed.sink.clear()  # no half-accumulated gradient survives a failed step
+            eng.passes.sink.clear()  # no half-accumulated gradient survives a failed step
             raise
         first = next(x for x in jax.tree.leaves(part, is_leaf=nnx.graph.is_graph_node) if hasattr(x, "shape"))
         return _Grads(loss=math.fsum(losses) / k, aux=auxes[0] if k == 1 else auxes, t0=t0,
                       t1=time.perf_counter(), tokens=k * math.prod(first.shape),
-                      fetch_wait_s=eng.streamed.prefetcher.wait_s - waits[0],
+                      fetch_wait_s=eng.passes.fetch_wait_s - waits[0],
                       grads_out_s=self._grads_out_s() - waits[1], has_aux=objective.has_aux)
 
     def _update(self, grads: _Grads, clear: bool = True) -> dict[str, Any]:
@@ -193,7 +193,7 @@ class Stepper:
         def write_param(path: str, index: int, value: np.ndarray) -> Any:
             return eng.store.put_local(path, index, value)  # the driver keeps the buffer until this resolves
 
-        plan = eng.streamed.plan
+        plan = eng.passes.plan
         if plan is not None and plan is not self._ordered_for:  # the next forward's order (glue first)
             eng.optimizer.order([*eng.adapter.glue_paths, *(p for uid, _ in plan.calls
                                                            for p in eng.adapter.units[uid].param_paths)])
@@ -201,9 +201,9 @@ class Stepper:
         t1 = time.perf_counter()
         try:
             with TraceAnnotation("zinf/optimizer_step", step=eng.optimizer.step_count + 1):
-                m = eng.optimizer.step(eng.streamed.sink.source, write_param, on_written=eng.gate.written)
+                m = eng.optimizer.step(eng.passes.sink.source, write_param, on_written=eng.gate.written)
             if clear:
-                eng.streamed.sink.clear()
+                eng.passes.sink.clear()
             meta = {"step": eng.optimizer.step_count}
             with TraceAnnotation("zinf/commit", step=meta["step"]):
                 eng.optimizer.commit(meta)
@@ -219,7 +219,7 @@ class Stepper:
                            "grads_out_s": grads.grads_out_s, "optimizer_wait_s": t1 - grads.t1,
                            **{f"optimizer_{k}": v for k, v in eng.optimizer.last_stats.items()}},
             "tokens_per_s": grads.tokens / elapsed,
-            "peak_device_bytes": eng.streamed.peak_device_bytes,
+            "peak_device_bytes": eng.passes.peak_device_bytes,
             "bytes_param_tier": _tier_bytes(eng.param_tier),
             "bytes_optimizer_tier": _tier_bytes(eng.opt_tier),
             "compute_dtype": eng.compute_dtype,

@@ -107,15 +107,18 @@ class ParamStore:
             return self._master(path, index)
         return self.tier.get(path, index)
 
-    def fetch(self, paths: Sequence[str]) -> list[jax.Array]:
+    def fetch(self, paths: Sequence[str], memory_kind: str | None = None) -> list[jax.Array]:
         """Reads ``paths`` from the tier as sharded device arrays (stored form).
+
+        ``memory_kind``: where the arrays go (default: each device's default memory); ``"pinned_host"``
+        keeps the cpu tier's shards where they are (the compiled engine moves them inside its program).
 
         Raises:
           TierError: a shard cannot be read.
         """
         futs = {p: {i: self.read_local(p, i) for i in self.local_indices(p)} for p in paths}
         shards = [{i: f.result() for i, f in futs[p].items()} for p in paths]
-        return assemble_many([self.layouts[p] for p in paths], self.mesh, shards)
+        return assemble_many([self.layouts[p] for p in paths], self.mesh, shards, memory_kind=memory_kind)
 
     def sharding(self, path: str) -> NamedSharding:
         """Sharding of the stored form of ``path``."""

@@ -459,6 +459,15 @@ class StreamedModel:
         self.peak_device_bytes = 0
         self.peak_live_array_bytes = 0
 
+    @property
+    def fetch_wait_s(self) -> float:
+        """Seconds spent so far waiting for parameter reads."""
+        return self.prefetcher.wait_s
+
+    def close(self) -> None:
+        """Stops the prefetcher."""
+        self.prefetcher.close()
+
 
 def _out_spec(out: Any) -> tuple[Any, tuple[tuple[tuple[int, ...], bool], ...]]:
     """A unit output's structure and, per leaf, its shape and whether it is inexact (has a cotangent)."""

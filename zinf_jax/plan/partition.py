@@ -369,20 +369,24 @@ def assemble(layout: ParamLayout, mesh: Mesh, shards: Mapping[int, Any], dtype: 
 
 
 def assemble_many(layouts: Sequence[ParamLayout], mesh: Mesh, shards: Sequence[Mapping[int, Any]],
-                  dtype: Any = None) -> list[jax.Array]:
-    """:func:`assemble` of several parameters with one batched host-to-device copy (a unit's fetch)."""
+                  dtype: Any = None, memory_kind: str | None = None) -> list[jax.Array]:
+    """:func:`assemble` of several parameters with one batched host-to-device copy (a unit's fetch).
+
+    ``memory_kind``: the memory the arrays go to (default: each device's default memory).
+    """
     srcs, targets = [], []
     for lay, sh in zip(layouts, shards):
         for idx, dev in _placements(mesh, lay.axes, lay.dim is None):
             src = sh[idx]
             srcs.append(src if dtype is None or src.dtype == dtype else src.astype(dtype))
-            targets.append(jax.sharding.SingleDeviceSharding(dev, memory_kind=dev.default_memory().kind))
+            targets.append(jax.sharding.SingleDeviceSharding(dev, memory_kind=memory_kind or dev.default_memory().kind))
     placed = iter(jax.device_put(srcs, targets))
     out = []
     for lay in layouts:
         n = len(_placements(mesh, lay.axes, lay.dim is None))
         out.append(jax.make_array_from_single_device_arrays(
-            lay.stored_shape, NamedSharding(mesh, lay.spec), [next(placed) for _ in range(n)]))
+            lay.stored_shape, NamedSharding(mesh, lay.spec, memory_kind=memory_kind),
+            [next(placed) for _ in range(n)]))
     return out
 
 

@@ -94,12 +94,14 @@ class Placement:
       optimizer: the fp32 master, and the optimizer's states (Adam's m and v).
       grads: the scratch gradient tier ([Note: scratch gradients]), or None: gradients in host RAM.
       shared_master: trained params are read from the optimizer's master ([Note: shared fp32 master]).
+      engine: ``"compiled"`` (one program per step) or ``"streamed"`` (units fetched between programs).
     """
 
     params: TierPlacement
     optimizer: TierPlacement
     grads: TierPlacement | None
     shared_master: bool
+    engine: str = "streamed"
 
     @property
     def grads_out(self) -> bool:
@@ -126,4 +128,5 @@ def place(config: ZeroConfig, compute_dtype: str, *, param_device: str | None = 
     grads = None if od != "nvme" else dataclasses.replace(optimizer, subdir="grads",
                                                                  update=UpdateMode.SCRATCH)
     return Placement(params=params, optimizer=optimizer, grads=grads,
-                     shared_master=compute_dtype == "float32" and pd == od == "nvme")
+                     shared_master=compute_dtype == "float32" and pd == od == "nvme",
+                     engine=config.resolved_engine(pd))

@@ -1,0 +1,312 @@
+"""The compiled forward and backward: a step's loss and gradients as one XLA program.
+
+Where the parameters fit in device memory (``offload_param="none"``) or host memory (``"cpu"``),
+nothing needs to happen between two units that a program cannot do itself, so the eager
+interpreter of :mod:`~zinf_jax.engine.streamed` (a ``custom_vjp`` per unit call, each unit program
+finished before the next is dispatched) only costs time. Here the same traced loss
+(:class:`~zinf_jax.engine.glue.TraceCache`: unit calls as ``zinf_unit_call`` equations) is turned
+into one jitted function of the parameters' stored shards:
+
+* each unit call becomes staging inside the program: the unit's shards are moved to device memory
+  (from ``pinned_host`` on the cpu tier), all-gathered by a sharding constraint to replicated, the
+  unit runs, and the gathered values die;
+* the call is wrapped in ``jax.checkpoint`` at the unit boundary, so the backward gathers again and
+  recomputes, as the streamed engine's activation checkpointing does
+  (``activation_checkpointing=False``: every activation but the gathered parameters is kept);
+* the gradients leave the program reduce-scattered to the stored sharding, in float32, in
+  ``pinned_host`` when the optimizer is on the host (its tier is cpu or nvme), where the streamed
+  optimizer (:mod:`zinf_jax.optim.driver`) reads them through the same
+  :class:`~zinf_jax.engine.grads.GradSink` as the streamed engine's.
+
+A parameter read outside its unit (a tied head, ``embedding[...]``) is a unit call of the read
+method and becomes a read in the program. One program per input signature (the loss, train or
+eval, the shapes, dtypes and shardings of glue, model state and batch), compiled ahead of time so
+that its ``memory_analysis`` is at hand (:meth:`CompiledModel.lower`).
+"""
+from __future__ import annotations
+
+import functools
+import math
+import weakref
+from typing import Any, Callable, Collection, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from zinf_jax.engine.glue import TraceCache, Traced
+from zinf_jax.engine.grads import GradSink
+from zinf_jax.engine.overlap import WriteGate
+from zinf_jax.engine.programs import GATHERED, join_inputs
+from zinf_jax.engine.store import ParamStore
+from zinf_jax.errors import EngineError
+from zinf_jax.plan.partition import ParamLayout, from_stored
+from zinf_jax.plan.units import Plan
+
+__all__ = ["CompiledModel"]
+
+_KEEP_BUT_GATHERED = jax.checkpoint_policies.save_anything_except_these_names(GATHERED)
+
+
+def _floating(dtype: Any) -> bool:
+    return bool(jnp.issubdtype(jnp.dtype(dtype), jnp.floating))
+
+
+def _signature(leaves: Sequence[Any]) -> tuple:
+    """What selects a compiled program besides the trace: each leaf's type and sharding."""
+    return tuple((jax.typeof(x), getattr(x, "sharding", None)) for x in leaves)
+
+
+class CompiledModel:
+    """Runs a wrapped model's loss as one compiled program per step (forward and backward).
+
+    The interface is :class:`~zinf_jax.engine.streamed.StreamedModel`'s (``forward_backward``,
+    ``forward``, ``state``, ``sink``, ``plan``), so :class:`~zinf_jax.engine.stepping.Stepper`
+    and the checkpoint state see no difference.
+
+    Args:
+      adapter: the NNX or Linen adapter.
+      store: the parameter store (param tier: device memory or ``pinned_host``).
+      host_params: the parameters' shards live in ``pinned_host`` (the cpu tier); each unit's are
+        moved to device memory inside the program, where the unit uses them.
+      grads_on_host: the gradients leave the program in ``pinned_host`` (the optimizer is on the host).
+      activation_checkpointing: recompute each unit in the backward from its inputs.
+      param_loss: a per-parameter loss term (see :func:`zinf_jax.initialize`).
+      trainable: the paths differentiated (the others are frozen).
+      sink: where the parameters' gradients go.
+      gate: holds the fetch of the parameters until an optimizer step in flight has written them.
+    """
+
+    def __init__(self, adapter: Any, store: ParamStore, *, host_params: bool, grads_on_host: bool,
+                 activation_checkpointing: bool = True, param_loss: Callable | None = None,
+                 trainable: Collection[str] | None = None, sink: GradSink | None = None,
+                 gate: WriteGate | None = None):
+        self.adapter = adapter
+        self.store = store
+        self.mesh = store.mesh
+        self.units = adapter.units
+        self.host_params = host_params
+        self.grads_on_host = grads_on_host
+        self.activation_checkpointing = activation_checkpointing
+        self.param_loss = param_loss
+        self.compute_dtype = jnp.dtype(store.compute_dtype)
+        self.sink = sink or GradSink(store.layouts, store.mesh)
+        self.gate = gate or WriteGate()
+        paths = list(dict.fromkeys(p for u in self.units for p in u.param_paths))
+        self.unit_paths = paths
+        trained = set(paths) if trainable is None else set(trainable)
+        self._train_paths = [p for p in paths if p in trained and _floating(store.layouts[p].dtype)]
+        self._frozen_paths = [p for p in paths if p not in set(self._train_paths)]
+        self._layouts = [[store.layouts[p] for p in u.param_paths] for u in self.units]
+        self.state = adapter.init_state(NamedSharding(self.mesh, P()))
+        self.plan: Plan | None = None
+        self._traces = TraceCache(tuple(self.units))
+        self._programs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # GlueProgram -> {key: Compiled}
+        self.peak_device_bytes = 0
+        self.fetch_wait_s = 0.0  # the streamed engine's prefetch wait; here nothing is fetched ahead
+        self._rep = NamedSharding(self.mesh, P())
+
+    # --- the interface the stepper and the checkpoint state use --------------------
+    def replace_state(self, state: Any) -> Any:
+        """Sets the model's non-parameter state; returns the old one (see ``StreamedModel.replace_state``)."""
+        old, self.state = self.state, state
+        return old
+
+    def reset_peaks(self) -> None:
+        """Starts a new peak measurement."""
+        self.peak_device_bytes = 0
+
+    def close(self) -> None:
+        """Nothing to stop (no prefetch threads)."""
+
+    # --- the program ------------------------------------------------------------------
+    def _out_shapes(self, train: bool, uid: int, method: str, sig: tuple, dyn: list) -> Any:
+        full = [jax.ShapeDtypeStruct(l.shape, self.store.dtype_of(l.path)) for l in self._layouts[uid]]
+        sds = [jax.ShapeDtypeStruct(jnp.shape(x), jax.typeof(x).dtype) for x in dyn]
+        fn = self.adapter.unit_fn(uid, method, train)
+        return jax.eval_shape(lambda f, d: fn(f, join_inputs(sig, d)), full, sds)
+
+    def _traced(self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array], train: bool) -> Traced:
+        hit = self._traces.trace(self.adapter, loss_fn, list(glue), self.state, batch, train,
+                                 functools.partial(self._out_shapes, train))
+        self.plan = hit.plan
+        return hit
+
+    def _to_device(self, lay: ParamLayout, x: jax.Array) -> jax.Array:
+        """A stored array inside the program, in device memory (a copy from ``pinned_host`` on the cpu tier)."""
+        if self.host_params:
+            x = jax.device_put(x, NamedSharding(self.mesh, lay.spec, memory_kind="device"))
+        return x
+
+    def _gather(self, layouts: Sequence[ParamLayout], stored: Sequence[jax.Array]) -> list[jax.Array]:
+        out = []
+        for lay, x in zip(layouts, stored):
+            x = self._to_device(lay, x)
+            if _floating(x.dtype):
+                x = x.astype(self.compute_dtype)
+            x = jax.lax.with_sharding_constraint(x, self._rep)
+            out.append(checkpoint_name(from_stored(lay, x), GATHERED))
+        return out
+
+    def _unit(self, uid: int, method: str, sig: tuple, train: bool, grad: bool) -> Callable:
+        fn, lays = self.adapter.unit_fn(uid, method, train), self._layouts[uid]
+
+        def run(stored, dyn):
+            return fn(self._gather(lays, stored), join_inputs(sig, dyn))
+
+        if not grad:
+            return run
+        if self.activation_checkpointing:  # only the unit's inputs (and its shards) are kept
+            return jax.checkpoint(run)
+        return jax.checkpoint(run, policy=_KEEP_BUT_GATHERED)
+
+    def _penalty(self, paths: Sequence[str], values: Sequence[jax.Array]) -> Any:
+        total = jnp.float32(0)
+        for path, x in zip(paths, values):
+            lay = self.store.layouts[path]
+            full = from_stored(lay, jax.lax.with_sharding_constraint(self._to_device(lay, x).astype(jnp.float32),
+                                                                     self._rep))
+            total = total + jnp.asarray(self.param_loss(path, full), jnp.float32)
+        return total
+
+    def _loss_fn(self, traced: Traced, train: bool, grad: bool) -> Callable:
+        """``(trained, glue, frozen, rest) -> (out, state, batch_state)`` over the stored shards."""
+        program, calls, units = traced.program, traced.program.calls, self.units
+
+        def loss_of(trained, glue, frozen, rest):
+            params = dict(zip(self._train_paths, trained))
+            params.update(zip(self._frozen_paths, frozen))
+
+            def call(k, dyn):
+                c = calls[k]
+                fn = self._unit(c.uid, c.method, c.sig, train, grad)
+                return c.out_tree.flatten_up_to(fn([params[p] for p in units[c.uid].param_paths], dyn))
+
+            return traced.unflatten(program([*glue, *rest], call))
+
+        return loss_of
+
+    def _grad_sharding(self, path: str) -> NamedSharding:
+        kind = "pinned_host" if self.grads_on_host else "device"
+        return NamedSharding(self.mesh, self.store.layouts[path].spec, memory_kind=kind)
+
+    def _train_program(self, traced: Traced, has_aux: bool) -> Callable:
+        loss_of, called = self._loss_fn(traced, True, True), list(dict.fromkeys(c.uid for c in traced.program.calls))
+
+        def step(trained, glue, frozen, rest, scale):
+            def f(t, g):
+                out, new_state, batch_state = loss_of(t, g, frozen, rest)
+                loss, aux = out if has_aux else (out, None)
+                if self.param_loss is not None:  # as the streamed engine: the glue, and each unit called
+                    params = dict(zip(self._train_paths, t))
+                    params.update(zip(self._frozen_paths, frozen))
+                    loss = loss + self._penalty(self.adapter.glue_paths, g)
+                    for uid in called:
+                        paths = self.units[uid].param_paths
+                        loss = loss + self._penalty(paths, [params[p] for p in paths])
+                return loss, (aux, new_state, batch_state)
+
+            loss, vjp, (aux, new_state, batch_state) = jax.vjp(f, trained, glue, has_aux=True)
+            if jnp.shape(loss) != ():
+                raise EngineError(f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}; reduce it "
+                                  "(e.g. jnp.mean) — nothing was applied")
+            g_trained, g_glue = vjp(jnp.full_like(loss, scale))
+            g_trained = [jax.device_put(jax.lax.with_sharding_constraint(g.astype(jnp.float32),
+                                                                         self.store.sharding(p)),
+                                        self._grad_sharding(p))
+                         for p, g in zip(self._train_paths, g_trained)]
+            return loss, aux, new_state, batch_state, g_trained, g_glue
+
+        return step
+
+    def _eval_program(self, traced: Traced, train: bool) -> Callable:
+        return self._loss_fn(traced, train, False)
+
+    def _compiled(self, traced: Traced, kind: tuple, make: Callable, args: tuple) -> Any:
+        """The program of ``traced`` (``kind``: train/eval variant) compiled for ``args``, built once."""
+        progs = self._programs.setdefault(traced.program, {})
+        key = (kind, _signature(jax.tree.leaves(args[1:])))
+        hit = progs.get(key)
+        if hit is None:
+            lowered = jax.jit(make()).lower(*args)
+            hit = progs[key] = (lowered, lowered.compile())
+            self._note_memory(hit[1])
+        return hit
+
+    def _note_memory(self, compiled: Any) -> None:
+        stats = compiled.memory_analysis()
+        if stats is None:  # a backend without it
+            return
+        per_device = stats.temp_size_in_bytes + stats.argument_size_in_bytes + stats.output_size_in_bytes \
+            - stats.alias_size_in_bytes
+        self.peak_device_bytes = max(self.peak_device_bytes, int(per_device) * len(self.mesh.local_devices))
+
+    def _params(self) -> tuple[list[jax.Array], list[jax.Array]]:
+        """The stored shards of every unit parameter (trained, frozen), after any optimizer write."""
+        self.gate.wait(self.unit_paths)  # See [Note: write gate]
+        kind = "pinned_host" if self.host_params else None
+        arrays = dict(zip(self.unit_paths, self.store.fetch(self.unit_paths, memory_kind=kind)))
+        return [arrays[p] for p in self._train_paths], [arrays[p] for p in self._frozen_paths]
+
+    # --- passes ---------------------------------------------------------------------------
+    def _check_eager(self, batch: Any, glue: Sequence[jax.Array]) -> None:
+        from zinf_jax.engine.streamed import JIT_MESSAGE
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((batch, list(glue)))):
+            raise EngineError(JIT_MESSAGE)
+
+    def _train_args(self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array], loss_scale: float):
+        self._check_eager(batch, glue)
+        traced = self._traced(loss_fn, batch, glue, True)
+        trained, frozen = self._params()
+        rest = traced.args[len(glue):]
+        return traced, (trained, list(glue), frozen, rest, np.float32(loss_scale))
+
+    def lower(self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array], *, has_aux: bool,
+              loss_scale: float = 1.0) -> jax.stages.Lowered:
+        """The training step's program for ``batch`` (forward, backward, gradients out), lowered."""
+        traced, args = self._train_args(loss_fn, batch, glue, loss_scale)
+        return self._compiled(traced, ("train", has_aux), lambda: self._train_program(traced, has_aux), args)[0]
+
+    def forward_backward(
+        self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array], *, has_aux: bool, loss_scale: float = 1.0,
+        accumulate: bool = False, before_backward: Callable[[], None] | None = None,
+    ) -> tuple[jax.Array, Any, list[jax.Array]]:
+        """Loss, aux and glue-parameter gradients; the unit parameters' gradients go to :attr:`sink`.
+
+        As ``StreamedModel.forward_backward``: seeded with ``loss_scale``; ``accumulate`` adds to the
+        sink's gradients; ``before_backward()`` runs before the program (forward and backward are one).
+        """
+        if not accumulate:
+            self.sink.clear()
+        traced, args = self._train_args(loss_fn, batch, glue, loss_scale)
+        _, prog = self._compiled(traced, ("train", has_aux), lambda: self._train_program(traced, has_aux), args)
+        if before_backward is not None:
+            before_backward()
+        loss, aux, new_state, batch_state, g_trained, g_glue = prog(*args)
+        del args
+        self.sink.add_many(self._train_paths, g_trained)
+        self.state = new_state
+        self.adapter.update_batch(batch, batch_state)
+        return loss, aux, g_glue
+
+    def forward(self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array], *, has_aux: bool,
+                train: bool = False) -> tuple[Any, Any]:
+        """Loss (and aux) of a forward pass only, compiled (see ``StreamedModel.forward``)."""
+        self._check_eager(batch, glue)
+        traced = self._traced(loss_fn, batch, glue, train)
+        trained, frozen = self._params()
+        args = (trained, list(glue), frozen, traced.args[len(glue):])
+        _, prog = self._compiled(traced, ("eval", train), lambda: self._eval_program(traced, train), args)
+        out, new_state, batch_state = prog(*args)
+        if train:
+            self.state = new_state
+            self.adapter.update_batch(batch, batch_state)
+        return out if has_aux else (out, None)
+
+    def held_device_bytes(self) -> int:
+        """Bytes the engine holds on device between steps: the parameters on the device tier, the model state."""
+        return 0 if self.host_params else sum(
+            math.prod(self.store.layouts[p].shard_shape) * jnp.dtype(self.store.dtype_of(p)).itemsize
+            for p in self.unit_paths) * len(self.mesh.local_devices)
