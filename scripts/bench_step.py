@@ -9,7 +9,9 @@ both sides. Same model, same initial values, same batches.
 
 Tiers: ``device`` (params and optimizer state in device memory), ``cpu`` (host
 RAM) and ``nvme`` (both on the nvme tier under ``--dir``, in place, the
-default); each tier twice: ``engine.train_step`` in a loop, and
+default), all three with the streamed engine; or ``ENGINE:PARAM/OPT`` for any
+engine and tier pair (``compiled:none/cpu``: the compiled engine, params in
+device memory, the optimizer on the host); each twice: ``engine.train_step`` in a loop, and
 ``engine.train_steps`` (``+overlap``: the optimizer overlapped with the next
 step's forward). A rep is ``--steps-per-rep`` consecutive steps of each runner
 in turn (plain first); the per-step time is the rep's time over its steps.
@@ -34,6 +36,7 @@ os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import shutil  # noqa: E402
@@ -88,13 +91,24 @@ def build_plain(cfg: GPTConfig, mesh, seed: int):
 
 def build_zinf(cfg: GPTConfig, mesh, tier: str, root: Path, seed: int, checkpointing: bool = True,
                threshold: int = 100_000):
-    dev = TIERS[tier]
+    """``tier``: ``device``/``cpu``/``nvme`` (both tiers there, streamed), or ``ENGINE:PARAM/OPT`` (e.g.
+    ``compiled:none/cpu``, ``streamed:cpu/cpu``; tiers none/cpu/nvme)."""
+    engine = None
+    if ":" in tier:
+        engine, pair = tier.split(":")
+        param, opt = pair.split("/")
+    else:
+        param = opt = TIERS[tier]
+        engine = "streamed"
     path = None
-    if dev == "nvme":
-        path = root / tier
+    if "nvme" in (param, opt):
+        path = root / tier.replace("/", "_").replace(":", "_")
         path.mkdir(parents=True)
     kw = {} if checkpointing else {"activation_checkpointing": False}  # (the default; older versions lack it)
-    config = zinf.ZeroConfig(offload_param=zinf.Offload(dev, path=path), offload_optimizer=zinf.Offload(dev, path=path),
+    if "engine" in {f.name for f in dataclasses.fields(zinf.ZeroConfig)}:  # older versions: streamed only
+        kw["engine"] = engine
+    config = zinf.ZeroConfig(offload_param=zinf.Offload(param, path=path if param == "nvme" else None),
+                             offload_optimizer=zinf.Offload(opt, path=path if opt == "nvme" else None),
                              persistence_threshold=threshold, **kw)
     engine = zinf.initialize(lambda: GPT(cfg, rngs=nnx.Rngs(seed)), config=config, mesh=mesh,
                              optimizer=zinf.adamw(LR, weight_decay=WD), loss_fn=lm_loss)
@@ -110,7 +124,9 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--tiers", default="device,cpu,nvme")
+    ap.add_argument("--tiers", default="device,cpu,nvme",
+                    help="runners: device|cpu|nvme (streamed, both tiers there) or ENGINE:PARAM/OPT, "
+                         "e.g. compiled:none/cpu,compiled:cpu/cpu,streamed:none/cpu")
     ap.add_argument("--steps-per-rep", type=int, default=5, help="consecutive steps timed as one rep")
     ap.add_argument("--no-overlap", action="store_true", help="skip engine.train_steps (optimizer overlapped)")
     ap.add_argument("--keep-activations", action="store_true",

@@ -372,21 +372,34 @@ def assemble_many(layouts: Sequence[ParamLayout], mesh: Mesh, shards: Sequence[M
                   dtype: Any = None, memory_kind: str | None = None) -> list[jax.Array]:
     """:func:`assemble` of several parameters with one batched host-to-device copy (a unit's fetch).
 
-    ``memory_kind``: the memory the arrays go to (default: each device's default memory).
+    ``memory_kind``: the memory the arrays go to (default: each device's default memory). Shards that
+    already are arrays there (the device tier's; the cpu tier's with ``"pinned_host"``) are used as
+    they are: no copy, and none of ``device_put``'s per-array cost.
     """
-    srcs, targets = [], []
+    placed: list[Any] = []
+    srcs, targets, slots = [], [], []
     for lay, sh in zip(layouts, shards):
         for idx, dev in _placements(mesh, lay.axes, lay.dim is None):
             src = sh[idx]
-            srcs.append(src if dtype is None or src.dtype == dtype else src.astype(dtype))
-            targets.append(jax.sharding.SingleDeviceSharding(dev, memory_kind=memory_kind or dev.default_memory().kind))
-    placed = iter(jax.device_put(srcs, targets))
+            if dtype is not None and src.dtype != dtype:
+                src = src.astype(dtype)
+            kind = memory_kind or dev.default_memory().kind
+            if isinstance(src, jax.Array) and src.sharding.memory_kind == kind and src.devices() == {dev}:
+                placed.append(src)
+                continue
+            slots.append(len(placed))
+            placed.append(None)
+            srcs.append(src)
+            targets.append(jax.sharding.SingleDeviceSharding(dev, memory_kind=kind))
+    for k, arr in zip(slots, jax.device_put(srcs, targets) if srcs else []):
+        placed[k] = arr
+    it = iter(placed)
     out = []
     for lay in layouts:
         n = len(_placements(mesh, lay.axes, lay.dim is None))
         out.append(jax.make_array_from_single_device_arrays(
             lay.stored_shape, NamedSharding(mesh, lay.spec, memory_kind=memory_kind),
-            [next(placed) for _ in range(n)]))
+            [next(it) for _ in range(n)]))
     return out
 
 
