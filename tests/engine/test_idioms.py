@@ -55,10 +55,19 @@ class CompileLog(logging.Handler):
         self._logger.setLevel(self._level)
 
 
-def nvme(tmp_path, threshold=64):
+def nvme(tmp_path, threshold=64, engine="streamed"):
+    """Params and optimizer on nvme (the streamed engine); ``engine="compiled"``: both in host RAM instead,
+    where the compiled engine runs (one program per step)."""
+    if engine == "compiled":
+        cpu = zinf.Offload("cpu")
+        return zinf.ZeroConfig(offload_param=cpu, offload_optimizer=cpu, persistence_threshold=threshold,
+                               engine="compiled")
     tmp_path.mkdir(parents=True, exist_ok=True)
     off = zinf.Offload("nvme", path=str(tmp_path))
     return zinf.ZeroConfig(offload_param=off, offload_optimizer=off, persistence_threshold=threshold)
+
+
+ENGINES = pytest.mark.parametrize("engine", ["streamed", "compiled"])
 
 
 def tokens(step, batch=8, seq=9):
@@ -121,7 +130,8 @@ def linen_reference(module, init_args, init_kwargs, loss_fn, batches, *, collect
     return losses, params, state
 
 
-def test_linen_lm_boxed_params_setup_units_mask_kwarg_and_dropout(tmp_path):
+@ENGINES
+def test_linen_lm_boxed_params_setup_units_mask_kwarg_and_dropout(tmp_path, engine):
     """with_logical_partitioning boxes, setup()-built embedding/layers as units, decoder_mask= (an array
     keyword argument), a Python flag, dropout from apply(rngs=...): losses and params equal plain Linen."""
     module, tok0 = LinenLM(CFG), jnp.zeros((8, 8), jnp.int32)
@@ -132,7 +142,8 @@ def test_linen_lm_boxed_params_setup_units_mask_kwarg_and_dropout(tmp_path):
 
     batches = [(tokens(s), jax.random.key(s)) for s in range(STEPS)]
     ref_losses, ref_params, _ = linen_reference(module, (tok0,), {"deterministic": True}, loss_fn, batches)
-    eng = zinf.initialize(module, init_args=(tok0,), init_kwargs={"deterministic": True}, config=nvme(tmp_path),
+    eng = zinf.initialize(module, init_args=(tok0,), init_kwargs={"deterministic": True},
+                          config=nvme(tmp_path, engine=engine),
                           optimizer=zinf.adamw(LR, eps=EPS, weight_decay=WD, mask=None), loss_fn=loss_fn)
     assert {u.path for u in eng.adapter.units} == {"embed", "layers_0", "layers_1"}
     losses = [eng.train_step(b)["loss"] for b in batches]
@@ -180,7 +191,8 @@ def test_linen_child_holding_a_shared_setup_module_is_skipped_with_a_warning(tmp
     eng.close()
 
 
-def test_linen_resnet_batch_stats_and_l2_penalty(tmp_path):
+@ENGINES
+def test_linen_resnet_batch_stats_and_l2_penalty(tmp_path, engine):
     """BatchNorm batch_stats through apply(mutable=['batch_stats']), an L2 term over the kernels
     (param_loss), running averages kept, saved, restored and used by eval_step."""
     module, x0 = LinenResNet(), jnp.zeros((8, 8, 8, 1))
@@ -194,7 +206,7 @@ def test_linen_resnet_batch_stats_and_l2_penalty(tmp_path):
     batches = [images(s) for s in range(STEPS)]
     ref_losses, ref_params, ref_state = linen_reference(module, (x0,), {"train": False}, loss_fn, batches,
                                                         collections=("batch_stats",), param_loss=l2)
-    eng = zinf.initialize(module, init_args=(x0,), init_kwargs={"train": False}, config=nvme(tmp_path / "t", 100),
+    eng = zinf.initialize(module, init_args=(x0,), init_kwargs={"train": False}, config=nvme(tmp_path / "t", 100, engine),
                           optimizer=zinf.adamw(LR, eps=EPS, weight_decay=WD, mask=None), loss_fn=loss_fn, param_loss=l2)
     assert {"LinenResBlock_0", "LinenResBlock_1"} <= {u.path for u in eng.adapter.units}
     losses = [eng.train_step(b)["loss"] for b in batches]
@@ -234,7 +246,8 @@ def nnx_reference(ctor, loss_fn, batches, wrt=nnx.Param):
     return losses, model
 
 
-def test_nnx_cnn_batchnorm_in_units_and_glue_with_dropout(tmp_path):
+@ENGINES
+def test_nnx_cnn_batchnorm_in_units_and_glue_with_dropout(tmp_path, engine):
     """NNX BatchNorm + Dropout inside units and in the glue (BatchStat updated in place), a static
     attribute read through a unit proxy; the running averages drive eval_step."""
     ctor = lambda: NnxCNN(rngs=nnx.Rngs(0, dropout=1))  # noqa: E731
@@ -246,8 +259,9 @@ def test_nnx_cnn_batchnorm_in_units_and_glue_with_dropout(tmp_path):
 
     batches = [images(s) for s in range(STEPS)]
     ref_losses, ref_model = nnx_reference(ctor, loss_fn, batches)
-    eng = zinf.initialize(ctor, config=nvme(tmp_path), optimizer=zinf.adamw(LR, eps=EPS, weight_decay=WD, mask=None),
-                          loss_fn=loss_fn)
+    eng = zinf.initialize(ctor, config=nvme(tmp_path, engine=engine),
+                          optimizer=zinf.adamw(LR, eps=EPS, weight_decay=WD, mask=None), loss_fn=loss_fn)
+    assert eng.mode == engine
     assert {"blocks/0", "blocks/1", "head"} <= {u.path for u in eng.adapter.units}
     assert "stem_bn/scale" in eng.adapter.glue_paths
     losses = [eng.train_step(b)["loss"] for b in batches]
@@ -277,9 +291,10 @@ def test_nnx_unit_attribute_errors_are_actionable(tmp_path):
     eng.close()
 
 
-@pytest.mark.parametrize("rngs_passed", [pytest.param(False, marks=pytest.mark.slow), True],
-                         ids=["held_rngs", "fresh_rngs_each_step"])
-def test_nnx_sow_and_shared_rngs(tmp_path, rngs_passed, no_persistent_cache):
+@pytest.mark.parametrize("rngs_passed, engine", [pytest.param(False, "streamed", marks=pytest.mark.slow),
+                                                 (True, "streamed"), (True, "compiled")],
+                         ids=["held_rngs", "fresh_rngs_each_step", "fresh_rngs_each_step_compiled"])
+def test_nnx_sow_and_shared_rngs(tmp_path, rngs_passed, engine, no_persistent_cache):
     """Blocks sow intermediates that the loss pops (an auxiliary term, differentiated through the sown
     values); one nnx.Rngs is shared by the model and all blocks, or a fresh one is passed every step.
     10 steps compile each unit program once."""
@@ -293,14 +308,14 @@ def test_nnx_sow_and_shared_rngs(tmp_path, rngs_passed, no_persistent_cache):
 
     make = lambda s: (tokens(s), nnx.Rngs(dropout=50 + s) if rngs_passed else None)  # noqa: E731
     ref_losses, ref_model = nnx_reference(ctor, loss_fn, [make(s) for s in range(steps)])
-    eng = zinf.initialize(ctor, config=nvme(tmp_path), optimizer=zinf.adamw(LR, eps=EPS, weight_decay=WD, mask=None),
-                          loss_fn=loss_fn)
+    eng = zinf.initialize(ctor, config=nvme(tmp_path, engine=engine),
+                          optimizer=zinf.adamw(LR, eps=EPS, weight_decay=WD, mask=None), loss_fn=loss_fn)
     losses = [eng.train_step(make(0))["loss"]]
     with CompileLog() as log:  # the later steps (new keys, new counters) compile nothing
         losses += [eng.train_step(make(s))["loss"] for s in range(1, steps)]
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_params(eng.param_arrays(), flat_nnx(nnx.state(ref_model, nnx.Param)))
-    assert log.messages == [] and len(eng.streamed.programs) > 0
+    assert log.messages == [] and (engine == "compiled" or len(eng.streamed.programs) > 0)
     # the shared RNG counter advanced exactly as in the unwrapped model (and nothing sown was kept)
     want = flat_nnx(nnx.state(ref_model, nnx.RngState))
     got = flat_nnx(eng.model_state())

@@ -1,7 +1,8 @@
 """One process of a 2-process jax.distributed job on CPU (4 devices each): trains a few zinf steps
 (the first half with ``train_step``, the rest with ``train_steps``).
 
-Usage: python mp_worker.py PROCESS_ID NUM_PROCESSES PORT WORKDIR STEPS
+Usage: python mp_worker.py PROCESS_ID NUM_PROCESSES PORT WORKDIR STEPS [TIERS]
+TIERS: ``nvme`` (default; the streamed engine) or ``cpu`` (params and optimizer in host RAM: the compiled engine).
 Prints one JSON line: {"process": i, "losses": [...], "files": [...]}.
 """
 import json
@@ -9,6 +10,7 @@ import os
 import sys
 
 pid, nproc, port, workdir, steps = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
+tiers = sys.argv[6] if len(sys.argv) > 6 else "nvme"
 os.environ["JAX_NUM_CPU_DEVICES"] = "4"
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax  # noqa: E402
@@ -21,7 +23,7 @@ import zinf_jax as zinf  # noqa: E402
 from zinf_jax.models import GPT, GPTConfig, batch_at, corpus, lm_loss  # noqa: E402
 
 cfg = GPTConfig(vocab=256, d_model=32, n_heads=4, n_layers=2, seq=16)
-off = zinf.Offload("nvme", path=workdir)
+off = zinf.Offload("nvme", path=workdir) if tiers == "nvme" else zinf.Offload(tiers)
 eng = zinf.initialize(lambda: GPT(cfg, rngs=nnx.Rngs(0)), loss_fn=lm_loss,
                       config=zinf.ZeroConfig(offload_param=off, offload_optimizer=off, persistence_threshold=600),
                       optimizer=zinf.adamw(3e-3, weight_decay=0.1, clip_norm=1.0))
@@ -33,11 +35,12 @@ def local(s):
 
 
 half = steps // 2  # then the same steps with the optimizer overlapped with the next forward: the same numbers
+mode = eng.mode
 losses = [eng.train_step(local(s))["loss"] for s in range(half)]
 losses += [m["loss"] for m in eng.train_steps(local(s) for s in range(half, steps))]
 eng.close()
 files = sorted(os.path.relpath(os.path.join(r, f), workdir) for r, _, fs in os.walk(workdir) for f in fs
                if f == "MANIFEST.json")
-print(json.dumps({"process": pid, "losses": losses, "manifests": files, "devices": jax.device_count(),
+print(json.dumps({"process": pid, "mode": mode, "losses": losses, "manifests": files, "devices": jax.device_count(),
                   "local": jax.local_device_count()}), flush=True)
 jax.distributed.shutdown()
