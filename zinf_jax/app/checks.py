@@ -13,6 +13,7 @@ from typing import Any
 __all__ = ["check_args", "check_batch", "flag", "allowed"]
 
 TIERS = ("none", "cpu", "nvme")
+ENGINES = ("auto", "compiled", "streamed")
 
 # field -> (minimum, what is allowed)
 _INTS = {
@@ -81,6 +82,8 @@ def check_args(args: Any) -> None:
             raise _bad(field, getattr(args, field), "one of " + ", ".join(TIERS))
     if args.nvme_update not in ("in_place", "double_slot"):
         raise _bad("nvme_update", args.nvme_update, "in_place or double_slot")
+    if args.engine not in ENGINES:
+        raise _bad("engine", args.engine, "one of " + ", ".join(ENGINES))
     if not str(args.run_dir):
         raise _bad("run_dir", repr(args.run_dir), "a directory")
     if args.resume and args.overwrite:
@@ -113,6 +116,8 @@ def allowed(field: str) -> str | None:
         return "one of " + ", ".join(TIERS)
     if field == "nvme_update":
         return "in_place or double_slot"
+    if field == "engine":
+        return "one of " + ", ".join(ENGINES)
     return None
 
 

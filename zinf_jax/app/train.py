@@ -78,6 +78,8 @@ class TrainArgs:
       nvme_dir: directory of the nvme tiers (default ``<run_dir>/nvme``).
       param_device: tier of the parameters between uses (``none``: device memory, ``cpu``, ``nvme``).
       optimizer_device: tier of the fp32 master and the Adam states (``none``, ``cpu``, ``nvme``).
+      engine: ``auto`` (compiled where the params are in device or host memory, streamed for nvme),
+        ``compiled`` (one XLA program per step; param tier none or cpu) or ``streamed``.
       nvme_update: ``in_place`` (one copy on disk; a step killed half-way is rebuilt from the
         checkpoint by ``resume``) or ``double_slot`` (every step durable, twice the disk).
       save_every: checkpoint period in steps (0: only at the end and on a signal).
@@ -114,6 +116,7 @@ class TrainArgs:
     nvme_dir: str | None = None
     param_device: str = "nvme"
     optimizer_device: str = "nvme"
+    engine: str = "auto"
     nvme_update: str = "in_place"
     save_every: int = 50
     keep: int = 0
@@ -133,19 +136,24 @@ def build_config(args: TrainArgs) -> ZeroConfig:
     """The ZeroConfig the flags (or the given config files) describe (creates nothing)."""
     if args.config and args.deepspeed_config:
         raise ValueError("--config and --deepspeed-config: give one of them, not both")
-    if args.deepspeed_config:
-        return ZeroConfig.from_deepspeed(args.deepspeed_config)
-    if args.config:
-        with open(args.config) as f:
-            try:
-                return ZeroConfig.from_dict(json.load(f))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--config {args.config}: not valid JSON ({e})") from None
+    if args.deepspeed_config or args.config:
+        config = _config_file(args)
+        return config if args.engine == "auto" else dataclasses.replace(config, engine=args.engine)
     nvme = args.nvme_dir or os.path.join(args.run_dir, "nvme")
     off = lambda d: Offload(d, path=nvme if d == "nvme" else None)  # noqa: E731
     return ZeroConfig(offload_param=off(args.param_device), offload_optimizer=off(args.optimizer_device),
                       gradient_clipping=args.clip, seed=args.seed, persistence_threshold=args.persistence_threshold,
-                      nvme_update=args.nvme_update)
+                      nvme_update=args.nvme_update, engine=args.engine)
+
+
+def _config_file(args: TrainArgs) -> ZeroConfig:
+    if args.deepspeed_config:
+        return ZeroConfig.from_deepspeed(args.deepspeed_config)
+    with open(args.config) as f:
+        try:
+            return ZeroConfig.from_dict(json.load(f))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--config {args.config}: not valid JSON ({e})") from None
 
 
 def _nvme_paths(args: TrainArgs, config: ZeroConfig) -> list[str]:
@@ -312,6 +320,7 @@ def _summary(run: _Run, config: ZeroConfig, stop: StopRequest, t0: float) -> dic
         "median_tokens_per_s": float(np.median(run.rates)) if run.rates else None,
         "wall_s": time.perf_counter() - t0, "checkpoint": str(run.saved) if run.saved else None,
         "tiers": {"param": config.offload_param.device, "optimizer": config.offload_optimizer.device},
+        "engine": run.engine.mode,
     }
 
 
@@ -322,7 +331,8 @@ def _report(summary: dict[str, Any], run_dir: Path, out: TextIO) -> None:
     out.write(
         f"{head}: {summary['steps_run']} steps (now at step {summary['step']}, data position {summary['data_step']}), "
         f"loss {summary['initial_loss']} -> {summary['final_loss']}, "
-        f"{summary['median_tokens_per_s'] or 0:.0f} tok/s median, checkpoint {summary['checkpoint'] or 'none'}\n"
+        f"{summary['median_tokens_per_s'] or 0:.0f} tok/s median ({summary['engine']} engine), "
+        f"checkpoint {summary['checkpoint'] or 'none'}\n"
         f"metrics: {run_dir / 'metrics.jsonl'} (draw them: zinf-jax plot {run_dir})\n"
     )
     final = summary["final_loss"]
