@@ -374,11 +374,21 @@ def assemble_many(layouts: Sequence[ParamLayout], mesh: Mesh, shards: Sequence[M
 
     ``memory_kind``: the memory the arrays go to (default: each device's default memory). Shards that
     already are arrays there (the device tier's; the cpu tier's with ``"pinned_host"``) are used as
-    they are: no copy, and none of ``device_put``'s per-array cost.
+    they are: no copy, and none of ``device_put``'s per-array cost; a persistent parameter (one
+    process) is put to every device in one call.
     """
+    one_process = jax.process_count() == 1
+    whole: dict[int, jax.Array] = {}  # persistent parameters: one put to every device (one process)
+    w_srcs, w_targets, w_slots = [], [], []
     placed: list[Any] = []
     srcs, targets, slots = [], [], []
-    for lay, sh in zip(layouts, shards):
+    for k, (lay, sh) in enumerate(zip(layouts, shards)):
+        if lay.dim is None and one_process:
+            src = sh[0] if dtype is None or sh[0].dtype == dtype else sh[0].astype(dtype)
+            w_slots.append(k)
+            w_srcs.append(src)
+            w_targets.append(NamedSharding(mesh, lay.spec, memory_kind=memory_kind))
+            continue
         for idx, dev in _placements(mesh, lay.axes, lay.dim is None):
             src = sh[idx]
             if dtype is not None and src.dtype != dtype:
@@ -393,9 +403,13 @@ def assemble_many(layouts: Sequence[ParamLayout], mesh: Mesh, shards: Sequence[M
             targets.append(jax.sharding.SingleDeviceSharding(dev, memory_kind=kind))
     for k, arr in zip(slots, jax.device_put(srcs, targets) if srcs else []):
         placed[k] = arr
+    whole.update(zip(w_slots, jax.device_put(w_srcs, w_targets) if w_srcs else []))
     it = iter(placed)
     out = []
-    for lay in layouts:
+    for k, lay in enumerate(layouts):
+        if k in whole:
+            out.append(whole[k])
+            continue
         n = len(_placements(mesh, lay.axes, lay.dim is None))
         out.append(jax.make_array_from_single_device_arrays(
             lay.stored_shape, NamedSharding(mesh, lay.spec, memory_kind=memory_kind),
