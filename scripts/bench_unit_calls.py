@@ -94,7 +94,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps-per-rep", type=int, default=3)
-    ap.add_argument("--tiers", default="device,cpu,nvme")
+    ap.add_argument("--tiers", default="device,cpu,nvme",
+                    help="device|cpu|nvme, the streamed engine; TIER+compiled for the compiled one (device, cpu)")
     ap.add_argument("--dir", default=None, help="nvme directory (default: a temporary one)")
     ap.add_argument("--out", default=str(REPO / "results" / "bench_unit_calls.json"))
     ap.add_argument("--profile", default=None, help="a tier: print the top functions of one of its steps")
@@ -105,15 +106,17 @@ def main() -> None:
                 rng.standard_normal((a.batch, a.width), dtype=np.float32)) for _ in range(4)]
     runners = {"plain": _plain(a.units, a.width)}
     engines = {}
-    for tier in a.tiers.split(","):
+    for name in a.tiers.split(","):
+        tier, _, engine = name.partition("+")  # "cpu+compiled": the compiled engine (default: streamed)
         off = zinf.Offload(TIERS[tier], path=str(root / tier) if tier == "nvme" else None)
         (root / tier).mkdir(parents=True, exist_ok=True)
+        kw = {"engine": engine or "streamed"} if hasattr(zinf.ZeroConfig(), "engine") else {}
         eng = zinf.initialize(lambda: Stack(a.units, a.width, nnx.Rngs(0)), loss_fn=loss_fn, optimizer=zinf.adamw(1e-3),
                               config=zinf.ZeroConfig(offload_param=off, offload_optimizer=off if tier == "nvme" else
                                                      zinf.Offload("cpu" if tier == "cpu" else "none"),
-                                                     persistence_threshold=0))
-        engines[tier] = eng
-        runners[tier] = lambda b, eng=eng: eng.train_step(b)["loss"]
+                                                     persistence_threshold=0, **kw))
+        engines[name] = eng
+        runners[name] = lambda b, eng=eng: eng.train_step(b)["loss"]
     times: dict[str, list[float]] = {k: [] for k in runners}
     for rep in range(a.warmup + a.reps):
         for name, run in runners.items():

@@ -12,12 +12,27 @@ The modules, in data-flow order:
 * running units: :mod:`~zinf_jax.engine.programs` (one compiled program per unit signature),
   :mod:`~zinf_jax.engine.glue` (the loss traced once, cut at unit calls into compiled segments),
   :mod:`~zinf_jax.engine.streamed` (the ``custom_vjp`` hooks: fetch, run, release; backward:
-  fetch, recompute, vjp), :mod:`~zinf_jax.engine.grads` (gradients reduce-scattered to a sink),
+  fetch, recompute, vjp), :mod:`~zinf_jax.engine.compiled` (the same traced loss as one XLA program
+  per step), :mod:`~zinf_jax.engine.grads` (gradients reduce-scattered to a sink),
   :mod:`~zinf_jax.engine.hostmem` (freed host pages returned);
 * stepping: :mod:`~zinf_jax.engine.batching` (a batch on the mesh, micro-batches),
   :mod:`~zinf_jax.engine.overlap` (the write gate), :mod:`~zinf_jax.engine.lifecycle`
   (ready / looping / closed), :mod:`~zinf_jax.engine.build` (everything wired once into
   ``Components``), :mod:`~zinf_jax.engine.stepping` (``train_step`` and ``train_steps``).
+
+[Note: two engines]
+There are two ways to run the passes, chosen once per engine by
+:attr:`~zinf_jax.plan.placement.Placement.engine` (``ZeroConfig.engine``; ``"auto"``: compiled unless
+the params are on nvme or activations are offloaded). Both start from the same traced loss
+(:class:`~zinf_jax.engine.glue.TraceCache`, unit calls as ``zinf_unit_call`` equations) and hand
+their gradients to the same :class:`~zinf_jax.engine.grads.GradSink`, so the optimizer, the commit,
+the checkpoints (one format: a checkpoint saved by one restores into the other) and
+:class:`~zinf_jax.engine.stepping.Stepper` do not know which ran. The *compiled* engine
+(:mod:`~zinf_jax.engine.compiled`) turns the trace into one jitted function of every unit's stored
+shards: each unit call stages its shards to device memory and gathers them inside the program,
+under ``jax.checkpoint`` at the unit boundary; XLA schedules the whole step. The *streamed* engine
+(:mod:`~zinf_jax.engine.streamed`) interprets it eagerly, because a parameter on nvme must be read
+between two unit programs. The parts below ``Components`` receive one of them as ``passes``.
 
 Design: the streamed engine is an eager interpreter. Each unit call of the wrapped model is a
 ``jax.custom_vjp`` run outside ``jit``; JAX runs its rules on concrete arrays in call order
