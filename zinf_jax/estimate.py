@@ -189,6 +189,16 @@ def _simulate(d: _Digest, depth: int, max_live: int | None, offload: bool, grads
     return dev_best, host_best
 
 
+def _moment_bytes(config: ZeroConfig) -> int:
+    """Bytes of one stored moment element (``ZeroConfig.moments_dtype``)."""
+    return 2 if config.moments_dtype == "bfloat16" else 4
+
+
+def _state_bytes(config: ZeroConfig) -> int:
+    """Optimizer state bytes per trained element: the fp32 master and Adam's two moments."""
+    return 4 + 2 * _moment_bytes(config)
+
+
 def _estimate(d: _Digest, config: ZeroConfig, pt: str, ot: str, platform: str) -> MemoryEstimate:
     if pt not in ("none", "cpu", "nvme") or ot not in ("none", "cpu", "nvme"):
         raise ValueError(f"configuration ({pt!r}, {ot!r}): param tier none|cpu|nvme, optimizer tier none|cpu|nvme")
@@ -205,7 +215,10 @@ def _estimate(d: _Digest, config: ZeroConfig, pt: str, ot: str, platform: str) -
         spread = sum(v for k, v in items.items() if not k.startswith("param_tier"))
         return -(-spread // d.n_local) + tiers * (-(-d.store_sharded // d.n_idx) + d.store - d.store_sharded)
 
-    buffers = min(config.offload_optimizer.buffer_count, d.groups) * (12 + 4 * grads_out) * d.max_chunk + d.assembly
+    # float32 master, m, v (and the gradient read back); bf16 moments add their narrow staging buffers
+    staging_bf16 = 2 * 2 if config.moments_dtype == "bfloat16" else 0
+    buffers = (min(config.offload_optimizer.buffer_count, d.groups) * (12 + 4 * grads_out + staging_bf16) * d.max_chunk
+               + d.assembly)
     if grads_out:  # the small shards stay in RAM as the backward produces them
         host_fb = {**host_fb, "grad_sink": host_fb.get("grad_sink", 0) + d.grad_ram}
     host = max([{**host_fb, "param_tier": cpu_p, "optimizer_state": cpu_o},
@@ -279,7 +292,7 @@ def estimate_from_sizes(
         unit_grad=tuple(u * 4 // P for u in units), calls=tuple(calls), rests=0, glue=glue_el * c * n_local,
         store=params * c // P, store_sharded=(params - glue_el) * c // P, store_disk=params * c // P,
         store_disk_trained=params * c // P,
-        grad=params * 4 // P, opt=12 * params // P, opt_disk=12 * params // P,
+        grad=params * 4 // P, opt=_state_bytes(config) * params // P, opt_disk=_state_bytes(config) * params // P,
         grad_ram=params * 4 // P if shard * 4 < IN_RAM_BELOW else 0,
         grad_disk=0 if shard * 4 < IN_RAM_BELOW else params * 4 // P + (12 * layers + 3 + untied) * _KEY_METADATA_BYTES,
         groups=max(1, (params // P) // max(chunk, 1)), max_chunk=chunk, assembly=4 * shard if shard > chunk else 0,
@@ -395,11 +408,13 @@ def estimate_from_model(
         store_sharded=sum(item[p] * local[p] for p, lay in layouts.items() if lay.dim is not None),
         store_disk=sum(_padded(layouts[p].shard_shape, item[p]) * shards[p] for p in layouts),
         store_disk_trained=sum(_padded(layouts[p].shard_shape, item[p]) * shards[p] for p in trained),
-        grad=sum(4 * local[p] for p in trained), opt=sum(12 * n_chunks[p] * chunk[p] * shards[p] for p in trained),
+        grad=sum(4 * local[p] for p in trained),
+        opt=sum(_state_bytes(config) * n_chunks[p] * chunk[p] * shards[p] for p in trained),
         grad_ram=sum(4 * n_chunks[p] * chunk[p] * shards[p] for p in trained if 4 * numel[p] < IN_RAM_BELOW),
         grad_disk=sum(n_chunks[p] * shards[p] * _padded((chunk[p],), 4) + _KEY_METADATA_BYTES + len(p) + 3 * shards[p]
                       for p in trained if 4 * numel[p] >= IN_RAM_BELOW),
-        opt_disk=sum(3 * n_chunks[p] * shards[p] * _padded((chunk[p],), 4) for p in trained),
+        opt_disk=sum(n_chunks[p] * shards[p] * (_padded((chunk[p],), 4) + 2 * _padded((chunk[p],), _moment_bytes(config)))
+                     for p in trained),
         groups=sum(n_chunks[p] * shards[p] for p in trained), max_chunk=max((chunk[p] for p in trained), default=1),
         assembly=4 * max((numel[p] for p in trained if n_chunks[p] > 1), default=0),
         param_meta=sum(_KEY_METADATA_BYTES + len(p) + 3 * shards[p] for p in layouts),

@@ -84,6 +84,8 @@ def check_args(args: Any) -> None:
         raise _bad("nvme_update", args.nvme_update, "in_place or double_slot")
     if args.engine not in ENGINES:
         raise _bad("engine", args.engine, "one of " + ", ".join(ENGINES))
+    if args.moments_dtype not in ("float32", "bfloat16"):
+        raise _bad("moments_dtype", args.moments_dtype, "float32 or bfloat16")
     if not str(args.run_dir):
         raise _bad("run_dir", repr(args.run_dir), "a directory")
     if args.resume and args.overwrite:
@@ -118,6 +120,8 @@ def allowed(field: str) -> str | None:
         return "in_place or double_slot"
     if field == "engine":
         return "one of " + ", ".join(ENGINES)
+    if field == "moments_dtype":
+        return "float32 or bfloat16"
     return None
 
 

@@ -71,7 +71,7 @@ def _flag_help(name: str, doc: str, default: object) -> str:
 
 
 _METAVARS = {"run_dir": "DIR", "nvme_dir": "DIR", "tensorboard": "DIR", "profile": "DIR", "config": "FILE",
-             "deepspeed_config": "FILE", "param_device": "TIER", "optimizer_device": "TIER", "nvme_update": "MODE", "engine": "ENGINE"}
+             "deepspeed_config": "FILE", "param_device": "TIER", "optimizer_device": "TIER", "nvme_update": "MODE", "engine": "ENGINE", "moments_dtype": "DTYPE"}
 
 
 def _train_parser(sub: argparse._SubParsersAction) -> None:

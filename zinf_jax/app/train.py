@@ -80,6 +80,8 @@ class TrainArgs:
       optimizer_device: tier of the fp32 master and the Adam states (``none``, ``cpu``, ``nvme``).
       engine: ``auto`` (compiled where the params are in device or host memory, streamed for nvme),
         ``compiled`` (one XLA program per step; param tier none or cpu) or ``streamed``.
+      moments_dtype: storage of the Adam moments: ``float32``, or ``bfloat16`` (half their bytes on disk
+        and in each step's I/O; float32 arithmetic, rounded to nearest even when stored).
       nvme_update: ``in_place`` (one copy on disk; a step killed half-way is rebuilt from the
         checkpoint by ``resume``) or ``double_slot`` (every step durable, twice the disk).
       save_every: checkpoint period in steps (0: only at the end and on a signal).
@@ -117,6 +119,7 @@ class TrainArgs:
     param_device: str = "nvme"
     optimizer_device: str = "nvme"
     engine: str = "auto"
+    moments_dtype: str = "float32"
     nvme_update: str = "in_place"
     save_every: int = 50
     keep: int = 0
@@ -143,7 +146,7 @@ def build_config(args: TrainArgs) -> ZeroConfig:
     off = lambda d: Offload(d, path=nvme if d == "nvme" else None)  # noqa: E731
     return ZeroConfig(offload_param=off(args.param_device), offload_optimizer=off(args.optimizer_device),
                       gradient_clipping=args.clip, seed=args.seed, persistence_threshold=args.persistence_threshold,
-                      nvme_update=args.nvme_update, engine=args.engine)
+                      nvme_update=args.nvme_update, engine=args.engine, moments_dtype=args.moments_dtype)
 
 
 def _config_file(args: TrainArgs) -> ZeroConfig:

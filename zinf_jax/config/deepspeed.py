@@ -121,6 +121,7 @@ def parse_deepspeed(path_or_dict: Any, config_cls: type) -> Any:
         raise ConfigError(f"{bf16.prefix}enabled, fp16.enabled: accepted values: at most one of them true, got both")
     was_auto = f"{bf16.prefix}enabled" in top.auto or "fp16.enabled" in top.auto  # then let the platform decide
     dtype = "bfloat16" if use_bf16 else "float16" if use_fp16 else None if was_auto else "float32"
+    bf16_states = bf16.get("bf16_optimizer_states", as_other, *BOOL, default=False)
     optimizer = None
     if (opt := top.section("optimizer")).data:
         if (kind := opt.get("type", as_other, *_DS_OPTIMIZER, default=None)) is None:
@@ -138,7 +139,8 @@ def parse_deepspeed(path_or_dict: Any, config_cls: type) -> Any:
         max_live_bytes=None if max_live is None else max_live * (2 if dtype in ("bfloat16", "float16") else 4),
         compute_dtype=dtype, loss_scale=fp16.build(LossScaleConfig, enabled=use_fp16 or None),
         optimizer=optimizer, gradient_clipping=top.get("gradient_clipping", as_float, *NONNEG, default=0.0),
-        gradient_accumulation_steps=top.get("gradient_accumulation_steps", as_int, 1, default=1))
+        gradient_accumulation_steps=top.get("gradient_accumulation_steps", as_int, 1, default=1),
+        moments_dtype="bfloat16" if bf16_states else "float32")
     unused = sorted(f"{s.prefix}{k}" for s in top.sections for k in s.data if k not in s.used)
     notes = [f"{what}: {', '.join(keys)}" for what, keys in [("keys not used by zinf_jax", unused),
              ("'auto' replaced by the zinf_jax default", sorted(top.auto))] if keys]

@@ -147,6 +147,11 @@ class ZeroConfig:
     both kinds is an error naming it)."""
     compute_dtype: str | None = checked(None, as_other, *one_of(COMPUTE_DTYPES), optional=True)
     """``"float32"``, ``"bfloat16"`` or ``"float16"``; ``None``: float32 on CPU, bfloat16 on GPU/TPU."""
+    moments_dtype: str = checked("float32", as_other, *one_of(("float32", "bfloat16")))
+    """Storage dtype of the optimizer's per-element states (Adam's m and v; an optax rule's moments):
+    ``"bfloat16"`` halves their bytes on disk and in every step's reads and writes (12 B/param of state
+    instead of 16 with the scratch gradients). The arithmetic stays float32 and the fp32 master is never
+    rounded; the stored moments are rounded to nearest even (DeepSpeed: ``bf16.bf16_optimizer_states``)."""
     sub_group_size: int = checked(1_000_000_000, as_int, 1, ds="sub_group_size")
     """Elements per optimizer sub-group, the unit the streamed optimizer step reads, updates and writes."""
     offload_activations: bool = checked(False, as_other, *BOOL)

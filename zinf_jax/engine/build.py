@@ -141,6 +141,7 @@ def build(adapter: Any, *, config: ZeroConfig, mesh: Mesh, optimizer: Any, init:
             local_indices=local_indices_of(layouts, mesh), owner=owner,
             sub_group_size=config.sub_group_size, buffer_count=config.offload_optimizer.buffer_count,
             loss_scale=loss_scaling(config, compute_dtype), allreduce=allreduce_sum, grad_tier=grad_tier,
+            state_dtype=config.moments_dtype,
         )
         opt.declare()
         store = ParamStore(param_tier, layouts, mesh, compute_dtype, master=opt.read_state_async,

@@ -21,6 +21,15 @@ min(largest shard, sub_group_size) * 4 * (1 + states)`` bytes (12 B/element
 for Adam), plus one multi-chunk shard (4 B/element) assembled for
 ``write_param``. The buffers are page-aligned: the NVMe tier reads and writes
 them with direct I/O, holding no copy of its own.
+
+[Note: bf16 moments]
+With ``state_dtype="bfloat16"`` (``ZeroConfig(moments_dtype="bfloat16")``) the rule's states are
+stored in bfloat16 and nothing else changes: a sub-group's states are read into bfloat16 staging
+buffers and widened exactly to float32, the update runs in float32 arithmetic as before (the new
+moments are used unrounded in this step's update), and the tier rounds them to bfloat16 when they are
+written (round-to-nearest-even, ml_dtypes' cast; no stochastic rounding). The fp32 master is never
+rounded. Reference: optax's adamw whose state is rounded to bfloat16 after each update
+(``tests/optim/test_bf16_moments.py``).
 """
 from __future__ import annotations
 
@@ -40,7 +49,7 @@ from zinf_jax.optim.kernel import all_finite, sum_squares
 from zinf_jax.optim.rules import UpdateRule, make_rule
 from zinf_jax.optim.subgroups import BufferSet, Group, Pipe, sub_groups
 from zinf_jax.optim.scaling import LossScaler, grad_scale, init_loss_scale, update_loss_scale
-from zinf_jax.tiers.base import ShardSpec, Tier
+from zinf_jax.tiers.base import ShardSpec, Tier, np_dtype
 from zinf_jax.tiers.direct import aligned_empty
 
 if TYPE_CHECKING:
@@ -70,6 +79,8 @@ class StreamedOptimizer:
       grad_tier: where gradients go as they are produced (:attr:`grads`, a
         :class:`~zinf_jax.optim.grads_out.TierGrads`); ``None``: the caller
         holds them and passes ``grad(path, i)`` to :meth:`step`.
+      state_dtype: how the rule's states (Adam's ``m`` and ``v``) are stored: ``"float32"``, or
+        ``"bfloat16"`` (half the bytes on disk and in every read and write). See [Note: bf16 moments].
     """
 
     def __init__(self, spec: Any, tier: Tier, layouts: Mapping[str, ParamLayout], *,
@@ -78,10 +89,13 @@ class StreamedOptimizer:
                  sub_group_size: int, buffer_count: int = 4,
                  loss_scale: LossScaleConfig | None = None,
                  allreduce: Callable[[float], float] = lambda x: x,
-                 grad_tier: Tier | None = None):
+                 grad_tier: Tier | None = None, state_dtype: str = "float32"):
         if sub_group_size < 1 or buffer_count < 1:
             raise ValueError(f"need sub_group_size >= 1 and buffer_count >= 1, got {sub_group_size}, {buffer_count}")
+        if state_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"state_dtype must be 'float32' or 'bfloat16', got {state_dtype!r}")
         self.spec, self.tier, self.layouts = spec, tier, dict(layouts)
+        self.state_dtype = state_dtype
         self._owner, self._allreduce = owner, allreduce
         self.buffer_count = int(buffer_count)
         self._ls = {} if loss_scale is None else dataclasses.asdict(loss_scale)
@@ -128,12 +142,17 @@ class StreamedOptimizer:
         """Declares ``master/<path>`` and the rule's states (Adam: ``m/<path>``, ``v/<path>``) in the tier."""
         for path, lay in self.layouts.items():
             n = self._nch[path]
-            spec = ShardSpec(shard_shape=(self._chunk[path],), dtype="float32", num_shards=lay.num_shards * n)
             local = [i * n + c for i in self._local[path] for c in range(n)]
             for s in self._names[path]:
+                spec = ShardSpec(shard_shape=(self._chunk[path],), dtype=self._dtype_of(s),
+                                 num_shards=lay.num_shards * n)
                 self.tier.declare(f"{s}/{path}", spec, local)
         if self.grads is not None:
             self.grads.declare()
+
+    def _dtype_of(self, name: str) -> str:
+        """The stored dtype of state ``name``: the master is float32, the rule's states ``state_dtype``."""
+        return "float32" if name == "master" else self.state_dtype
 
     def state_names(self, path: str) -> tuple[str, ...]:
         """The tier states of ``path``: ``"master"`` and the rule's (``"m"``, ``"v"`` for Adam)."""
@@ -192,12 +211,19 @@ class StreamedOptimizer:
     def read_state_async(self, path: str, index: int, name: str = "master") -> Future:
         """A future of :meth:`read_state` (its chunks are read concurrently)."""
         numel, chunk, n = self._numel[path], self._chunk[path], self._nch[path]
-        out = aligned_empty(4 * n * chunk).view(np.float32)
+        dtype = np.dtype(np_dtype(self._dtype_of(name)))
+        out = aligned_empty(dtype.itemsize * n * chunk).view(dtype)
         futs = [self.tier.get(f"{name}/{path}", index * n + c, out=out[c * chunk:(c + 1) * chunk]) for c in range(n)]
-        shard = out[:numel].reshape(self.layouts[path].shard_shape)
+        shape = self.layouts[path].shard_shape
         done: Future = Future()
-        all_of(futs).add_done_callback(
-            lambda f: done.set_exception(f.exception()) if f.exception() is not None else done.set_result(shard))
+
+        def finish(f: Future) -> None:
+            if f.exception() is not None:
+                done.set_exception(f.exception())
+            else:  # float32, whatever the stored dtype
+                done.set_result(out[:numel].astype(np.float32, copy=dtype != np.float32).reshape(shape))
+
+        all_of(futs).add_done_callback(finish)
         return done
 
     def write_state(self, path: str, index: int, name: str, value: np.ndarray) -> None:
@@ -312,8 +338,10 @@ class StreamedOptimizer:
     def _io(self, bs: BufferSet, gr: Group, read: bool) -> None:
         """Reads or writes every state of sub-group ``gr``; each future joins ``bs.pending`` at once."""
         size = self._chunk[gr.path]
-        for s, a in zip(self._names[gr.path], bs.arrays):
+        for k, (s, a) in enumerate(zip(self._names[gr.path], bs.arrays)):
             key, buf = f"{s}/{gr.path}", a[:size]
+            if read and s != "master" and self.state_dtype != "float32":  # See [Note: bf16 moments]
+                buf = bs.staged(k, size, np_dtype(self.state_dtype))
             bs.pending.append(self.tier.get(key, gr.index, out=buf) if read else self.tier.put(key, gr.index, buf))
         if read and self.grads is not None and self.grads.has(gr.path, gr.shard):
             bs.pending.append(self.grads.read_chunk(gr.path, gr.shard, gr.chunk, bs.arrays[-1][:size]))
@@ -408,6 +436,7 @@ class StreamedOptimizer:
                 for f in bs.pending:
                     f.result()
             bs.pending = []
+            bs.unstage(self._chunk[gr.path])  # bf16 states widened into the float32 buffers
             t_read += time.perf_counter() - t
             t = time.perf_counter()
             sl = slice(gr.start, gr.start + gr.valid)

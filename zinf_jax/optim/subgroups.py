@@ -12,6 +12,8 @@ import collections
 import dataclasses
 from concurrent.futures import Future
 
+from typing import Any
+
 import numpy as np
 
 from zinf_jax.tiers.direct import aligned_empty
@@ -49,6 +51,23 @@ class BufferSet:
         self.arrays = tuple(aligned_empty(4 * size).view(np.float32) for _ in range(count))
         self.pending: list[Future] = []
         self.written: Group | None = None  # the sub-group whose writes ``pending`` holds
+        self._stage: dict[int, np.ndarray] = {}  # array index -> its narrow staging buffer (bf16 states)
+        self._staged: list[int] = []  # the arrays whose read landed in their staging buffer
+
+    def staged(self, k: int, size: int, dtype: Any) -> np.ndarray:
+        """The staging buffer array ``k`` is read into (a narrower stored dtype), widened by :meth:`unstage`."""
+        buf = self._stage.get(k)
+        if buf is None or buf.dtype != dtype or buf.shape[0] < self.arrays[k].shape[0]:
+            buf = self._stage[k] = aligned_empty(np.dtype(dtype).itemsize * self.arrays[k].shape[0]).view(dtype)
+        if k not in self._staged:
+            self._staged.append(k)
+        return buf[:size]
+
+    def unstage(self, size: int) -> None:
+        """Widens the staged reads (after they completed) into their float32 arrays."""
+        for k in self._staged:
+            np.copyto(self.arrays[k][:size], self._stage[k][:size])
+        self._staged = []
 
 
 @dataclasses.dataclass
