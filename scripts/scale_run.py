@@ -167,8 +167,17 @@ def estimate_vs_measured(result: dict) -> dict:
                             heads=a["heads"], config=config, platform="cpu", configurations=[("nvme", "nvme")])[0]
     rss = e.host_bytes + e.host_overhead_bytes + e.device_bytes_local + e.device_overhead_bytes * e.n_devices
     measured = result["rss_base"] + result["rss_growth"]
+    steady = result["steps"][1:] or result["steps"]
+    med = lambda f: sorted(f(s) for s in steady)[len(steady) // 2]  # noqa: E731
+    rd, wr = med(lambda s: sum(s["bytes_read"].values())), med(lambda s: sum(s["bytes_written"].values()))
+    raw = result["raw_disk"]
+    io_s = e.io_seconds(raw["read_GBps"], raw["write_GBps"])  # the predicted I/O bound at this disk's bandwidth
     return {"host_rss_bytes": rss, "nvme_bytes": e.nvme_bytes, "params": e.params, "rss_ratio": rss / measured,
-            "nvme_ratio": e.nvme_bytes / result["disk"]["bytes"], "breakdown": dict(e.breakdown)}
+            "nvme_ratio": e.nvme_bytes / result["disk"]["bytes"], "breakdown": dict(e.breakdown),
+            "step_read_bytes": e.step_read_bytes, "step_write_bytes": e.step_write_bytes,
+            "step_read_ratio": e.step_read_bytes / max(rd, 1), "step_write_ratio": e.step_write_bytes / max(wr, 1),
+            "io_bound_s": io_s, "io_bound_ratio": io_s / med(lambda s: s["io_bound_s"]),
+            "step_s_vs_predicted_io": med(lambda s: s["step_time_s"]) / io_s}
 
 
 def overlap(args, result: dict) -> dict:

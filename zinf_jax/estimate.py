@@ -91,6 +91,10 @@ class MemoryEstimate:
       n_processes: processes (hosts).
       compute_dtype: dtype of params on device and in the param tier.
       params: parameter count of the model.
+      step_read_bytes, step_write_bytes: disk bytes one process reads and writes per training step (nvme
+        tiers: the forward's and, with activation checkpointing, the backward's parameter fetches; the
+        optimizer's master and moments read and written; the scratch gradients written and read back; the
+        new compute-dtype params written). See :meth:`io_seconds`.
       engine: the engine these tiers run (``"compiled"`` or ``"streamed"``, see ``ZeroConfig.engine``). The
         device figures follow the streamed schedule (units gathered ``prefetch_depth`` ahead); a compiled
         engine's program reports its own: ``engine.lower(batch).compile().memory_analysis()``.
@@ -110,6 +114,18 @@ class MemoryEstimate:
     compute_dtype: str
     params: int
     engine: str = "streamed"
+    step_read_bytes: int = 0
+    step_write_bytes: int = 0
+
+    def io_seconds(self, read_gbps: float, write_gbps: float | None = None) -> float:
+        """Seconds a training step's disk traffic of one process needs at these bandwidths (GB/s, 1e9 B).
+
+        The bound a step cannot beat when I/O does not overlap itself: ``step_read_bytes`` at
+        ``read_gbps`` plus ``step_write_bytes`` at ``write_gbps`` (default: ``read_gbps``).
+        """
+        if read_gbps <= 0 or (write_gbps is not None and write_gbps <= 0):
+            raise ValueError(f"disk bandwidth must be positive GB/s, got {read_gbps}, {write_gbps}")
+        return self.step_read_bytes / (read_gbps * 1e9) + self.step_write_bytes / ((write_gbps or read_gbps) * 1e9)
 
     def required(self) -> dict[str, int]:
         """Bytes needed per tier: state plus overheads (device per device; host, nvme per process)."""
@@ -232,6 +248,7 @@ def _estimate(d: _Digest, config: ZeroConfig, pt: str, ot: str, platform: str) -
             "gradients": d.grad_disk if grads_out else 0}
     breakdown = {f"{t}.{k}": int(v) for t, items in (("device", dev), ("host", host), ("nvme", nvme))
                  for k, v in items.items() if v}
+    read, write = _step_io(d, config, pt, ot, grads_out, shared)
     # transient host copies: nvme param reads before their device copy, tensorstore's copies of optimizer writes
     staging = (pt == "nvme") * (1 + config.prefetch_depth) * max(d.unit_held, default=0) + (ot == "nvme") * buffers
     return MemoryEstimate(
@@ -240,7 +257,26 @@ def _estimate(d: _Digest, config: ZeroConfig, pt: str, ot: str, platform: str) -
         device_overhead_bytes=RUNTIME_OVERHEAD.get(platform, RUNTIME_OVERHEAD["gpu"])[0] + d.workspace,
         host_overhead_bytes=RUNTIME_OVERHEAD.get(platform, RUNTIME_OVERHEAD["gpu"])[1] + staging,
         n_devices=d.n_local, n_processes=d.n_processes, compute_dtype=d.compute_dtype, params=d.params,
-        engine=where.engine)
+        engine=where.engine, step_read_bytes=read, step_write_bytes=write)
+
+
+def _step_io(d: _Digest, config: ZeroConfig, pt: str, ot: str, grads_out: bool, shared: bool) -> tuple[int, int]:
+    """Disk bytes (read, written) of one process in one step, from the bytes the tiers hold."""
+    read = write = 0
+    if pt == "nvme":  # every unit call fetches its shards (a call right after one of the same unit reuses them)
+        calls = [u for u, _ in d.calls]
+        fetches = [u for i, u in enumerate(calls) if i == 0 or calls[i - 1] != u]
+        passes = 2 if config.activation_checkpointing else 1
+        read += passes * sum(d.unit_held[u] * d.n_idx // d.n_local for u in fetches) + d.glue // d.n_local
+        if not shared:  # the new compute-dtype values of the trained params
+            write += d.store_disk_trained
+    if ot == "nvme":
+        read += d.opt_disk
+        write += d.opt_disk
+        if grads_out:  # written in the backward, read back by the optimizer
+            read += d.grad_disk
+            write += d.grad_disk
+    return int(read), int(write)
 
 
 def estimate_from_sizes(
@@ -432,14 +468,21 @@ def fits(estimates: Iterable[MemoryEstimate], machine: Machine) -> list[MemoryEs
     return [e for e in estimates if e.fits(machine)]
 
 
-def format_report(estimates: Sequence[MemoryEstimate], machine: Machine | None = None) -> str:
-    """A table of the bytes each configuration needs per tier, with ✓/✗ against ``machine``."""
-    rows = [["param", "optimizer", "engine", "device (each)", "host", "nvme"] + (["fits"] if machine else [])]
+def format_report(estimates: Sequence[MemoryEstimate], machine: Machine | None = None,
+                  disk_gbps: float | None = None) -> str:
+    """A table of the bytes each configuration needs per tier, with ✓/✗ against ``machine``.
+
+    ``disk_gbps``: also each configuration's disk traffic per step and the seconds it needs at that bandwidth.
+    """
+    io = ["disk I/O a step", f"I/O s @ {disk_gbps:g} GB/s"] if disk_gbps else []
+    rows = [["param", "optimizer", "engine", "device (each)", "host", "nvme"] + io + (["fits"] if machine else [])]
     for e in estimates:
         req, ok = e.required(), e.fits_tiers(machine) if machine else {}
         mark = lambda t: (" ✓" if ok[t] else " ✗") if machine else ""  # noqa: E731
+        traffic = ([human_bytes(e.step_read_bytes + e.step_write_bytes), f"{e.io_seconds(disk_gbps):.2f}"]
+                   if disk_gbps else [])
         rows.append([e.param_tier, e.optimizer_tier, e.engine] + [human_bytes(req[t]) + mark(t) for t in ("device", "host", "nvme")]
-                    + (["✓" if all(ok.values()) else "✗"] if machine else []))
+                    + traffic + (["✓" if all(ok.values()) else "✗"] if machine else []))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.rjust(w) if i > 2 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "-" * len(lines[0]))

@@ -249,3 +249,27 @@ def test_estimate_warns_that_kept_activations_are_not_modelled():
     with pytest.warns(UserWarning, match="activation_checkpointing=False"):
         estimate(None, params=None, layers=2, hidden=64, vocab=100, seq=16, batch=8, n_devices=8,
                  config=zinf.ZeroConfig(activation_checkpointing=False), platform="gpu")
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_step_io_bytes_match_the_tiers(tmp_path, checkpointing):
+    """The disk bytes a step reads and writes (the estimate's I/O bound) against the tiers' own counters."""
+    off = zinf.Offload("nvme", path=str(tmp_path))
+    config = zinf.ZeroConfig(offload_param=off, offload_optimizer=off, persistence_threshold=THRESHOLD,
+                             activation_checkpointing=checkpointing)
+    engine = zinf.initialize(ctor(), config=config, mesh=mesh(), loss_fn=lm_loss)
+    batch = np.asarray(jax.random.randint(jax.random.key(1), (BATCH, CFG.seq + 1), 0, CFG.vocab))
+    try:
+        engine.train_step(batch)
+        tiers = [t for t in (engine.param_tier, engine.opt_tier, engine.grad_tier) if t is not None]
+        before = [(t.bytes_read, t.bytes_written) for t in tiers]
+        engine.train_step(batch)  # a steady step
+        read = sum(t.bytes_read - r for t, (r, _) in zip(tiers, before))
+        written = sum(t.bytes_written - w for t, (_, w) in zip(tiers, before))
+    finally:
+        engine.close()
+    est = estimate_from_model(ctor(), config=config, mesh=mesh(), loss_fn=lm_loss, example_batch=example(),
+                              configurations=[("nvme", "nvme")])[0]
+    assert written == est.step_write_bytes
+    assert 0.97 < est.step_read_bytes / read < 1.05, (est.step_read_bytes, read)  # persistent params counted per device
+    assert est.io_seconds(2.0) == pytest.approx(est.step_read_bytes / 2e9 + est.step_write_bytes / 2e9)

@@ -106,6 +106,10 @@ def _estimate_parser(sub: argparse._SubParsersAction) -> None:
                    "and --disk-gib)")
     p.add_argument("--host-gib", type=float, help="host RAM in GiB")
     p.add_argument("--disk-gib", type=float, help="free NVMe in GiB")
+    p.add_argument("--disk-gbps", type=float, help="disk bandwidth per host in GB/s: adds each configuration's disk "
+                   "bytes a step and the seconds they need (the step's I/O bound)")
+    p.add_argument("--moments-dtype", default="float32", help="Adam moments' storage, float32 or bfloat16; "
+                   "default: %(default)s")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -117,7 +121,7 @@ def _stderr_fd() -> int | None:
 
 
 _POSITIVE_INTS = ("layers", "hidden", "vocab", "seq", "batch", "devices", "processes")
-_POSITIVE_FLOATS = ("params", "gpu_gib", "host_gib", "disk_gib")
+_POSITIVE_FLOATS = ("disk_gbps", "params", "gpu_gib", "host_gib", "disk_gib")
 
 
 def _check_estimate(a: argparse.Namespace) -> None:
@@ -130,6 +134,8 @@ def _check_estimate(a: argparse.Namespace) -> None:
         v = getattr(a, name)
         if v is not None and not (math.isfinite(v) and v > 0):
             raise ValueError(f"--{name.replace('_', '-')} {v}: must be a finite number > 0")
+    if a.moments_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"--moments-dtype {a.moments_dtype}: must be float32 or bfloat16")
     if a.devices % a.processes:
         raise ValueError(f"--processes {a.processes}: must divide --devices {a.devices} (the devices are spread evenly)")
 
@@ -184,8 +190,11 @@ def _main(argv: list[str] | None, stop: StopRequest) -> int:
         _check_estimate(a)
         if a.layers is None or a.hidden is None:
             raise ValueError("estimate needs --layers and --hidden (and optionally --params, --vocab, --seq, --batch)")
+        from zinf_jax.config import ZeroConfig
+
         ests = estimate_from_sizes(None if a.params is None else int(a.params), a.layers, a.hidden, a.vocab, a.seq,
-                                   a.batch, n_devices=a.devices, n_processes=a.processes, platform="gpu")
+                                   a.batch, n_devices=a.devices, n_processes=a.processes, platform="gpu",
+                                   config=ZeroConfig(moments_dtype=a.moments_dtype))
         gib = 1 << 30
         machine = None
         if None not in (a.gpu_gib, a.host_gib, a.disk_gib):
@@ -193,9 +202,10 @@ def _main(argv: list[str] | None, stop: StopRequest) -> int:
                               disk_bytes=int(a.disk_gib * gib), n_devices=a.devices // a.processes)
         if a.json:
             import dataclasses as dc
-            print(json.dumps([dc.asdict(e) for e in ests], indent=1, default=str))
+            rows = [dc.asdict(e) | ({"io_seconds": e.io_seconds(a.disk_gbps)} if a.disk_gbps else {}) for e in ests]
+            print(json.dumps(rows, indent=1, default=str))
         else:
-            print(format_report(ests, machine))
+            print(format_report(ests, machine, disk_gbps=a.disk_gbps))
         return 0
     except Interrupted as e:
         print(f"zinf-jax {a.command}: {e}", file=sys.stderr)
