@@ -26,7 +26,7 @@ that its ``memory_analysis`` is at hand (:meth:`CompiledModel.lower`).
 from __future__ import annotations
 
 import functools
-import math
+import time
 import weakref
 from typing import Any, Callable, Collection, Sequence
 
@@ -41,6 +41,7 @@ from zinf_jax.engine.grads import GradSink
 from zinf_jax.engine.overlap import WriteGate
 from zinf_jax.engine.programs import GATHERED, join_inputs
 from zinf_jax.engine.store import ParamStore
+from zinf_jax.engine.streamed import JIT_MESSAGE
 from zinf_jax.errors import EngineError
 from zinf_jax.plan.partition import ParamLayout, from_stored
 from zinf_jax.plan.units import Plan
@@ -105,7 +106,7 @@ class CompiledModel:
         self._traces = TraceCache(tuple(self.units))
         self._programs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # GlueProgram -> {key: Compiled}
         self.peak_device_bytes = 0
-        self.fetch_wait_s = 0.0  # the streamed engine's prefetch wait; here nothing is fetched ahead
+        self.fetch_wait_s = 0.0  # seconds so far reading the param shards into the program's arguments
         self._rep = NamedSharding(self.mesh, P())
 
     # --- the interface the stepper and the checkpoint state use --------------------
@@ -113,10 +114,6 @@ class CompiledModel:
         """Sets the model's non-parameter state; returns the old one (see ``StreamedModel.replace_state``)."""
         old, self.state = self.state, state
         return old
-
-    def reset_peaks(self) -> None:
-        """Starts a new peak measurement."""
-        self.peak_device_bytes = 0
 
     def close(self) -> None:
         """Nothing to stop (no prefetch threads)."""
@@ -247,12 +244,13 @@ class CompiledModel:
         """The stored shards of every unit parameter (trained, frozen), after any optimizer write."""
         self.gate.wait(self.unit_paths)  # See [Note: write gate]
         kind = "pinned_host" if self.host_params else None
+        t0 = time.perf_counter()
         arrays = dict(zip(self.unit_paths, self.store.fetch(self.unit_paths, memory_kind=kind)))
+        self.fetch_wait_s += time.perf_counter() - t0
         return [arrays[p] for p in self._train_paths], [arrays[p] for p in self._frozen_paths]
 
     # --- passes ---------------------------------------------------------------------------
     def _check_eager(self, batch: Any, glue: Sequence[jax.Array]) -> None:
-        from zinf_jax.engine.streamed import JIT_MESSAGE
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((batch, list(glue)))):
             raise EngineError(JIT_MESSAGE)
 
@@ -304,9 +302,3 @@ class CompiledModel:
             self.state = new_state
             self.adapter.update_batch(batch, batch_state)
         return out if has_aux else (out, None)
-
-    def held_device_bytes(self) -> int:
-        """Bytes the engine holds on device between steps: the parameters on the device tier, the model state."""
-        return 0 if self.host_params else sum(
-            math.prod(self.store.layouts[p].shard_shape) * jnp.dtype(self.store.dtype_of(p)).itemsize
-            for p in self.unit_paths) * len(self.mesh.local_devices)
