@@ -57,7 +57,8 @@ class Engine:
         if inert := config.inert_settings():
             warnings.warn("zinf_jax: these settings are accepted for DeepSpeed compatibility but have no effect: "
                           + ", ".join(inert), UserWarning, stacklevel=3)
-        if self.mode == "compiled" and (streamed_only := _streamed_only(config)):
+        streamed_only = _streamed_only(config) + (["track_live_arrays=True"] if build_kw.get("track_live_arrays") else [])
+        if self.mode == "compiled" and streamed_only:
             warnings.warn("zinf_jax: the compiled engine runs (engine.mode == 'compiled'); these settings of the "
                           f"streamed engine have no effect: {', '.join(streamed_only)} (ZeroConfig(engine='streamed') "
                           "to use them)", UserWarning, stacklevel=3)

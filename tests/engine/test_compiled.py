@@ -70,8 +70,8 @@ def test_auto_picks_the_engine_by_param_tier(tmp_path):
     with pytest.raises(zinf.ConfigError, match="ZeroConfig.engine: expected one of"):
         zinf.ZeroConfig(engine="eager")
     assert zinf.ZeroConfig.from_deepspeed({"zero_optimization": {"stage": 3}}).engine == "auto"
-    with pytest.warns(UserWarning, match="streamed engine have no effect: prefetch_depth=4"):
-        eng = zinf.initialize(ctor, config=config(tmp_path, prefetch_depth=4), loss_fn=lm_loss)
+    with pytest.warns(UserWarning, match="streamed engine have no effect: prefetch_depth=4, track_live_arrays=True"):
+        eng = zinf.initialize(ctor, config=config(tmp_path, prefetch_depth=4), loss_fn=lm_loss, track_live_arrays=True)
     eng.close()
 
 
