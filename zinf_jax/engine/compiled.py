@@ -108,6 +108,7 @@ class CompiledModel:
         self.peak_device_bytes = 0
         self.fetch_wait_s = 0.0  # seconds so far reading the param shards into the program's arguments
         self._rep = NamedSharding(self.mesh, P())
+        self._fetched: dict[str, tuple[int, jax.Array]] = {}  # path -> (store writes when read, the array)
 
     # --- the interface the stepper and the checkpoint state use --------------------
     def replace_state(self, state: Any) -> Any:
@@ -241,13 +242,19 @@ class CompiledModel:
         self.peak_device_bytes = max(self.peak_device_bytes, int(per_device) * len(self.mesh.local_devices))
 
     def _params(self) -> tuple[list[jax.Array], list[jax.Array]]:
-        """The stored shards of every unit parameter (trained, frozen), after any optimizer write."""
+        """The stored shards of every unit parameter (trained, frozen), after any optimizer write.
+
+        A parameter the store has not written since it was last read (a frozen one, or all of them
+        between evaluations) is not read again.
+        """
         self.gate.wait(self.unit_paths)  # See [Note: write gate]
         kind = "pinned_host" if self.host_params else None
         t0 = time.perf_counter()
-        arrays = dict(zip(self.unit_paths, self.store.fetch(self.unit_paths, memory_kind=kind)))
+        stale = [p for p in self.unit_paths if self._fetched.get(p, (-1,))[0] != self.store.writes(p)]
+        for p, arr in zip(stale, self.store.fetch(stale, memory_kind=kind) if stale else []):
+            self._fetched[p] = (self.store.writes(p), arr)
         self.fetch_wait_s += time.perf_counter() - t0
-        return [arrays[p] for p in self._train_paths], [arrays[p] for p in self._frozen_paths]
+        return ([self._fetched[p][1] for p in self._train_paths], [self._fetched[p][1] for p in self._frozen_paths])
 
     # --- passes ---------------------------------------------------------------------------
     def _check_eager(self, batch: Any, glue: Sequence[jax.Array]) -> None:

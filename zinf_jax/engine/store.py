@@ -64,6 +64,7 @@ class ParamStore:
         self._master, self.master_paths = master, frozenset(master_paths)
         self.local_indices = local_indices_of(self.layouts, mesh)
         """``local_indices(path)``: shard indices of ``path`` this process stores."""
+        self._writes: dict[str, int] = {}  # per path: writes so far (see :meth:`writes`)
         for path, lay in self.layouts.items():
             if path in self.master_paths:
                 continue
@@ -92,6 +93,7 @@ class ParamStore:
             stored = stored.astype(dt)
         if path in self.master_paths:  # See [Note: shared fp32 master]: the optimizer's master is the copy
             return []
+        self._writes[path] = self._writes.get(path, 0) + 1
         lay = self.layouts[path]
         return [self.tier.put(path, i, s) for i, s in split_local(lay, self.mesh, stored).items()]
 
@@ -99,7 +101,15 @@ class ParamStore:
         """Writes one local shard given as a host array (cast to the tier's dtype)."""
         if path in self.master_paths:  # See [Note: shared fp32 master]
             return done_future()
+        self._writes[path] = self._writes.get(path, 0) + 1
         return self.tier.put(path, index, value)
+
+    def writes(self, path: str) -> int:
+        """How many writes of ``path`` this store has issued: a value read after the last one is still current.
+
+        (Not for the paths read from the optimizer's master, which the optimizer rewrites itself.)
+        """
+        return self._writes.get(path, 0)
 
     def read_local(self, path: str, index: int) -> Future:
         """A future of one local shard as stored (a host array, or a device array on the device tier)."""
