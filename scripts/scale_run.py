@@ -153,6 +153,14 @@ def cpu_reference(args, n_layers: int) -> float:
     return float(np.median(times[1:]))
 
 
+def _tuning(a: dict) -> dict:
+    """The optional ZeroConfig settings of the run (``--sub-group-size``, ``--moments-dtype``)."""
+    out = {"moments_dtype": a.get("moments_dtype") or "float32"}
+    if a.get("sub_group_size"):
+        out["sub_group_size"] = a["sub_group_size"]
+    return out
+
+
 def estimate_vs_measured(result: dict) -> dict:
     """The estimator's host RSS (on a CPU mesh device memory is host RAM too) and disk, and their ratios to the
     measured peak RSS (absolute: the estimate includes the runtime) and bytes on disk."""
@@ -162,7 +170,7 @@ def estimate_vs_measured(result: dict) -> dict:
     a = result["args"]
     path = {"path": "/nonexistent"}
     config = zinf.ZeroConfig(offload_param=zinf.Offload("nvme", **path), offload_optimizer=zinf.Offload("nvme", **path),
-                             compute_dtype=a["compute_dtype"], nvme_update=a["nvme_update"])
+                             compute_dtype=a["compute_dtype"], nvme_update=a["nvme_update"], **_tuning(a))
     e = estimate_from_sizes(None, a["layers"], a["d_model"], 256, a["seq"], a["batch"], n_devices=a["devices"],
                             heads=a["heads"], config=config, platform="cpu", configurations=[("nvme", "nvme")])[0]
     rss = e.host_bytes + e.host_overhead_bytes + e.device_bytes_local + e.device_overhead_bytes * e.n_devices
@@ -209,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--devices", type=int, default=8)
     ap.add_argument("--compute-dtype", default="float32")
     ap.add_argument("--nvme-update", default="in_place", choices=("in_place", "double_slot"))
+    ap.add_argument("--sub-group-size", type=int, default=None, help="ZeroConfig.sub_group_size (default: its own)")
+    ap.add_argument("--moments-dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--cpu-ref-layers", type=int, default=0,
                     help="also time the step with both tiers on cpu at this depth and at 1 layer (0: skip)")
     ap.add_argument("--cpu-ref-of", default=None,
@@ -242,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = GPTConfig(d_model=args.d_model, n_heads=args.heads, n_layers=args.layers, seq=args.seq)
         config = zinf.ZeroConfig(offload_param=zinf.Offload("nvme", path=str(root)),
                                  offload_optimizer=zinf.Offload("nvme", path=str(root)),
-                                 compute_dtype=args.compute_dtype, nvme_update=args.nvme_update)
+                                 compute_dtype=args.compute_dtype, nvme_update=args.nvme_update, **_tuning(vars(args)))
         sampler = RssSampler()
         _ = jax.device_put(np.zeros(8))  # backend up before the baseline
         sampler.reset()
