@@ -57,8 +57,7 @@ class Engine:
         if inert := config.inert_settings():
             warnings.warn("zinf_jax: these settings are accepted for DeepSpeed compatibility but have no effect: "
                           + ", ".join(inert), UserWarning, stacklevel=3)
-        streamed_only = _streamed_only(config) + (["track_live_arrays=True"] if build_kw.get("track_live_arrays") else [])
-        if self.mode == "compiled" and streamed_only:
+        if self.mode == "compiled" and (streamed_only := _streamed_only(config, build_kw.get("track_live_arrays"))):
             warnings.warn("zinf_jax: the compiled engine runs (engine.mode == 'compiled'); these settings of the "
                           f"streamed engine have no effect: {', '.join(streamed_only)} (ZeroConfig(engine='streamed') "
                           "to use them)", UserWarning, stacklevel=3)
@@ -290,11 +289,11 @@ class Engine:
                         c.grad_tier.close()
 
 
-def _streamed_only(config: ZeroConfig) -> list[str]:
+def _streamed_only(config: ZeroConfig, track_live_arrays: bool | None) -> list[str]:
     """The streamed engine's settings that differ from their defaults (no effect in compiled mode)."""
     default = ZeroConfig()
     return [f"{name}={getattr(config, name)!r}" for name in ("prefetch_depth", "max_live_bytes")
-            if getattr(config, name) != getattr(default, name)]
+            if getattr(config, name) != getattr(default, name)] + (["track_live_arrays=True"] if track_live_arrays else [])
 
 
 def initialize(

@@ -10,10 +10,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["check_args", "check_batch", "flag", "allowed"]
+from zinf_jax.config.zero import DEVICES as TIERS, ENGINES, MOMENTS_DTYPES
 
-TIERS = ("none", "cpu", "nvme")
-ENGINES = ("auto", "compiled", "streamed")
+__all__ = ["check_args", "check_batch", "flag", "allowed"]
 
 # field -> (minimum, what is allowed)
 _INTS = {
@@ -84,8 +83,8 @@ def check_args(args: Any) -> None:
         raise _bad("nvme_update", args.nvme_update, "in_place or double_slot")
     if args.engine not in ENGINES:
         raise _bad("engine", args.engine, "one of " + ", ".join(ENGINES))
-    if args.moments_dtype not in ("float32", "bfloat16"):
-        raise _bad("moments_dtype", args.moments_dtype, "float32 or bfloat16")
+    if args.moments_dtype not in MOMENTS_DTYPES:
+        raise _bad("moments_dtype", args.moments_dtype, " or ".join(MOMENTS_DTYPES))
     if not str(args.run_dir):
         raise _bad("run_dir", repr(args.run_dir), "a directory")
     if args.resume and args.overwrite:
@@ -121,7 +120,7 @@ def allowed(field: str) -> str | None:
     if field == "engine":
         return "one of " + ", ".join(ENGINES)
     if field == "moments_dtype":
-        return "float32 or bfloat16"
+        return " or ".join(MOMENTS_DTYPES)
     return None
 
 

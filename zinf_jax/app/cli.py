@@ -16,6 +16,7 @@ import os
 import sys
 
 from zinf_jax.app.interrupts import StopRequest
+from zinf_jax.config.zero import MOMENTS_DTYPES
 from zinf_jax.errors import Interrupted, NonFiniteLossError, ZinfError
 
 __all__ = ["main", "make_parser", "field_docs", "EXAMPLES"]
@@ -108,8 +109,8 @@ def _estimate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--disk-gib", type=float, help="free NVMe in GiB")
     p.add_argument("--disk-gbps", type=float, help="disk bandwidth per host in GB/s: adds each configuration's disk "
                    "bytes a step and the seconds they need (the step's I/O bound)")
-    p.add_argument("--moments-dtype", default="float32", help="Adam moments' storage, float32 or bfloat16; "
-                   "default: %(default)s")
+    p.add_argument("--moments-dtype", default="float32", choices=MOMENTS_DTYPES,
+                   help="Adam moments' storage; default: %(default)s")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -134,8 +135,6 @@ def _check_estimate(a: argparse.Namespace) -> None:
         v = getattr(a, name)
         if v is not None and not (math.isfinite(v) and v > 0):
             raise ValueError(f"--{name.replace('_', '-')} {v}: must be a finite number > 0")
-    if a.moments_dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"--moments-dtype {a.moments_dtype}: must be float32 or bfloat16")
     if a.devices % a.processes:
         raise ValueError(f"--processes {a.processes}: must divide --devices {a.devices} (the devices are spread evenly)")
 

@@ -22,6 +22,7 @@ DEVICES = ("none", "cpu", "nvme")
 ALIGN_BYTES = 4096  # smallest chunk file: one direct-I/O block
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 ENGINES = ("auto", "compiled", "streamed")
+MOMENTS_DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +148,7 @@ class ZeroConfig:
     both kinds is an error naming it)."""
     compute_dtype: str | None = checked(None, as_other, *one_of(COMPUTE_DTYPES), optional=True)
     """``"float32"``, ``"bfloat16"`` or ``"float16"``; ``None``: float32 on CPU, bfloat16 on GPU/TPU."""
-    moments_dtype: str = checked("float32", as_other, *one_of(("float32", "bfloat16")))
+    moments_dtype: str = checked("float32", as_other, *one_of(MOMENTS_DTYPES))
     """Storage dtype of the optimizer's per-element states (Adam's m and v; an optax rule's moments):
     ``"bfloat16"`` halves their bytes on disk and in every step's reads and writes (12 B/param of state
     instead of 16 with the scratch gradients). The arithmetic stays float32 and the fp32 master is never

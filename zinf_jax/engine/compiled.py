@@ -25,7 +25,6 @@ that its ``memory_analysis`` is at hand (:meth:`CompiledModel.lower`).
 """
 from __future__ import annotations
 
-import functools
 import time
 import weakref
 from typing import Any, Callable, Collection, Sequence
@@ -36,7 +35,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zinf_jax.engine.glue import TraceCache, Traced
+from zinf_jax.engine.glue import TraceCache, Traced, unit_out_shapes
 from zinf_jax.engine.grads import GradSink
 from zinf_jax.engine.overlap import WriteGate
 from zinf_jax.engine.programs import GATHERED, join_inputs
@@ -120,15 +119,9 @@ class CompiledModel:
         """Nothing to stop (no prefetch threads)."""
 
     # --- the program ------------------------------------------------------------------
-    def _out_shapes(self, train: bool, uid: int, method: str, sig: tuple, dyn: list) -> Any:
-        full = [jax.ShapeDtypeStruct(l.shape, self.store.dtype_of(l.path)) for l in self._layouts[uid]]
-        sds = [jax.ShapeDtypeStruct(jnp.shape(x), jax.typeof(x).dtype) for x in dyn]
-        fn = self.adapter.unit_fn(uid, method, train)
-        return jax.eval_shape(lambda f, d: fn(f, join_inputs(sig, d)), full, sds)
-
     def _traced(self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array], train: bool) -> Traced:
         hit = self._traces.trace(self.adapter, loss_fn, list(glue), self.state, batch, train,
-                                 functools.partial(self._out_shapes, train))
+                                 unit_out_shapes(self.adapter, self.store, train))
         self.plan = hit.plan
         return hit
 
@@ -169,13 +162,16 @@ class CompiledModel:
             total = total + jnp.asarray(self.param_loss(path, full), jnp.float32)
         return total
 
+    def _by_path(self, trained: Sequence[Any], frozen: Sequence[Any]) -> dict[str, Any]:
+        """The program's parameter arguments by path."""
+        return {**dict(zip(self._train_paths, trained)), **dict(zip(self._frozen_paths, frozen))}
+
     def _loss_fn(self, traced: Traced, train: bool, grad: bool) -> Callable:
         """``(trained, glue, frozen, rest) -> (out, state, batch_state)`` over the stored shards."""
         program, calls, units = traced.program, traced.program.calls, self.units
 
         def loss_of(trained, glue, frozen, rest):
-            params = dict(zip(self._train_paths, trained))
-            params.update(zip(self._frozen_paths, frozen))
+            params = self._by_path(trained, frozen)
 
             def call(k, dyn):
                 c = calls[k]
@@ -198,8 +194,7 @@ class CompiledModel:
                 out, new_state, batch_state = loss_of(t, g, frozen, rest)
                 loss, aux = out if has_aux else (out, None)
                 if self.param_loss is not None:  # as the streamed engine: the glue, and each unit called
-                    params = dict(zip(self._train_paths, t))
-                    params.update(zip(self._frozen_paths, frozen))
+                    params = self._by_path(t, frozen)
                     loss = loss + self._penalty(self.adapter.glue_paths, g)
                     for uid in called:
                         paths = self.units[uid].param_paths
@@ -218,9 +213,6 @@ class CompiledModel:
             return loss, aux, new_state, batch_state, g_trained, g_glue
 
         return step
-
-    def _eval_program(self, traced: Traced, train: bool) -> Callable:
-        return self._loss_fn(traced, train, False)
 
     def _compiled(self, traced: Traced, kind: tuple, make: Callable, args: tuple) -> Any:
         """The program of ``traced`` (``kind``: train/eval variant) compiled for ``args``, built once."""
@@ -303,7 +295,7 @@ class CompiledModel:
         traced = self._traced(loss_fn, batch, glue, train)
         trained, frozen = self._params()
         args = (trained, list(glue), frozen, traced.args[len(glue):])
-        _, prog = self._compiled(traced, ("eval", train), lambda: self._eval_program(traced, train), args)
+        _, prog = self._compiled(traced, ("eval", train), lambda: self._loss_fn(traced, train, False), args)
         out, new_state, batch_state = prog(*args)
         if train:
             self.state = new_state

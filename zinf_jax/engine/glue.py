@@ -29,7 +29,8 @@ from zinf_jax._internal import jax_private as core
 from zinf_jax.engine.programs import join_inputs, split_inputs
 from zinf_jax.plan.units import Plan
 
-__all__ = ["UnitCall", "Recorder", "GlueProgram", "Traced", "TraceCache", "unit_call_p", "MAX_TRACES"]
+__all__ = ["UnitCall", "Recorder", "GlueProgram", "Traced", "TraceCache", "unit_call_p", "unit_out_shapes",
+           "MAX_TRACES"]
 
 MAX_TRACES = 16
 """Traced losses kept (per loss function, mode and input signature), oldest dropped first."""
@@ -52,6 +53,23 @@ class UnitCall:
 
 OutShapes = Callable[[int, str, Any, list], Any]
 """``(uid, method, sig, dyn) -> pytree of ShapeDtypeStruct``: what a unit call returns."""
+
+
+def unit_out_shapes(adapter: Any, store: Any, train: bool) -> OutShapes:
+    """What a unit call returns: the adapter's unit function evaluated abstractly on its full parameters.
+
+    Args:
+      adapter: the model's adapter.
+      store: the parameter store (the params' layouts and compute dtype).
+      train: the unit functions' mode.
+    """
+    def out_shapes(uid: int, method: str, sig: Any, dyn: list) -> Any:
+        full = [jax.ShapeDtypeStruct(store.layouts[p].shape, store.dtype_of(p)) for p in adapter.units[uid].param_paths]
+        sds = [jax.ShapeDtypeStruct(jnp.shape(x), jax.typeof(x).dtype) for x in dyn]
+        fn = adapter.unit_fn(uid, method, train)
+        return jax.eval_shape(lambda f, d: fn(f, join_inputs(sig, d)), full, sds)
+
+    return out_shapes
 
 
 class Recorder:

@@ -40,7 +40,7 @@ from jax.profiler import TraceAnnotation
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zinf_jax.errors import EngineError
-from zinf_jax.engine.glue import TraceCache, Traced, UnitCall
+from zinf_jax.engine.glue import TraceCache, Traced, UnitCall, unit_out_shapes
 from zinf_jax.engine.grads import GradSink
 from zinf_jax.engine.hostmem import release_free_memory
 from zinf_jax.engine.overlap import WriteGate
@@ -219,14 +219,9 @@ class StreamedModel:
     def _traced(self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array], train: bool) -> Traced:
         """The loss traced for these inputs' signature (cached, like ``jax.jit``'s traces)."""
         hit = self._traces.trace(self.adapter, loss_fn, list(glue), self.state, batch, train,
-                                 functools.partial(self._out_shapes, train))
+                                 unit_out_shapes(self.adapter, self.store, train))
         self.plan = hit.plan
         return hit
-
-    def _out_shapes(self, train: bool, uid: int, method: str, sig: tuple, dyn: list) -> Any:
-        full = [jax.ShapeDtypeStruct(l.shape, self.store.dtype_of(l.path)) for l in self._layouts[uid]]
-        sds = [jax.ShapeDtypeStruct(jnp.shape(x), jax.typeof(x).dtype) for x in dyn]
-        return jax.eval_shape(self._unit_fn(uid, method, sig, train), full, sds)
 
     def forward_backward(
         self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array], *, has_aux: bool, loss_scale: float = 1.0,

@@ -44,6 +44,7 @@ import numpy as np
 from jax.profiler import TraceAnnotation
 
 from zinf_jax._internal.futures import all_of, is_future, wait_all
+from zinf_jax.config.zero import MOMENTS_DTYPES
 from zinf_jax.optim.grads_out import TierGrads
 from zinf_jax.optim.kernel import all_finite, sum_squares
 from zinf_jax.optim.rules import UpdateRule, make_rule
@@ -92,8 +93,8 @@ class StreamedOptimizer:
                  grad_tier: Tier | None = None, state_dtype: str = "float32"):
         if sub_group_size < 1 or buffer_count < 1:
             raise ValueError(f"need sub_group_size >= 1 and buffer_count >= 1, got {sub_group_size}, {buffer_count}")
-        if state_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"state_dtype must be 'float32' or 'bfloat16', got {state_dtype!r}")
+        if state_dtype not in MOMENTS_DTYPES:
+            raise ValueError(f"state_dtype must be one of {MOMENTS_DTYPES}, got {state_dtype!r}")
         self.spec, self.tier, self.layouts = spec, tier, dict(layouts)
         self.state_dtype = state_dtype
         self._owner, self._allreduce = owner, allreduce

@@ -57,7 +57,7 @@ class BufferSet:
     def staged(self, k: int, size: int, dtype: Any) -> np.ndarray:
         """The staging buffer array ``k`` is read into (a narrower stored dtype), widened by :meth:`unstage`."""
         buf = self._stage.get(k)
-        if buf is None or buf.dtype != dtype or buf.shape[0] < self.arrays[k].shape[0]:
+        if buf is None:  # the same dtype every time (the optimizer's state_dtype)
             buf = self._stage[k] = aligned_empty(np.dtype(dtype).itemsize * self.arrays[k].shape[0]).view(dtype)
         if k not in self._staged:
             self._staged.append(k)

@@ -101,7 +101,7 @@ class Placement:
     optimizer: TierPlacement
     grads: TierPlacement | None
     shared_master: bool
-    engine: str = "streamed"
+    engine: str
 
     @property
     def grads_out(self) -> bool:
