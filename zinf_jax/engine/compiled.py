@@ -25,6 +25,8 @@ that its ``memory_analysis`` is at hand (:meth:`CompiledModel.lower`).
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import time
 import weakref
 from typing import Any, Callable, Collection, Sequence
@@ -39,6 +41,7 @@ from zinf_jax.engine.glue import TraceCache, Traced, unit_out_shapes
 from zinf_jax.engine.grads import GradSink
 from zinf_jax.engine.overlap import WriteGate
 from zinf_jax.engine.programs import GATHERED, join_inputs
+from zinf_jax.engine.runs import Run, find_runs
 from zinf_jax.engine.store import ParamStore
 from zinf_jax.engine.streamed import JIT_MESSAGE
 from zinf_jax.errors import EngineError
@@ -57,6 +60,67 @@ def _floating(dtype: Any) -> bool:
 def _signature(leaves: Sequence[Any]) -> tuple:
     """What selects a compiled program besides the trace: each leaf's type and sharding."""
     return tuple((jax.typeof(x), getattr(x, "sharding", None)) for x in leaves)
+
+
+@functools.lru_cache(maxsize=256)
+def _stacker(sharding: NamedSharding) -> Callable:
+    """A jitted stack of same-layout arrays into one array of ``sharding`` (the device tier's stacks)."""
+    return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)
+
+
+# [Note: scanned runs]
+# XLA keeps every gathered weight of an unrolled stack of N jax.checkpoint-ed unit calls alive across
+# the program (temp bytes grow with depth; measured on XLA:CPU even for a plain
+# checkpoint-per-layer program), and compiles the unit N times. A lax.scan over the stacked
+# parameters of N alike units compiles the unit once and keeps one iteration's gathered weights. So
+# a run of alike unit calls (zinf_jax.engine.runs.find_runs: same program key, parameter layouts and
+# trained flags, each call reading the previous one's output) takes its parameters as one stacked
+# argument per parameter position, (N, *stored shape) with the stored sharding below the run axis,
+# in the tier's memory: on the cpu tier stacked on the host (the shards are host buffers), on the
+# device tier by one jitted stack; a stack is rebuilt only when the store wrote one of its paths.
+# Each iteration slices its unit's shards, moves them to device memory and gathers them; the
+# gradients leave stacked and the sink splits them per path (GradSink.add_stacked). An
+# optimization_barrier on the device copies keeps the all-gather after the slice: without it XLA
+# gathers the (1, shard) slice before squeezing it, lays the whole stacked argument out for that
+# gather, and hoists that relayout copy out of the loop (a stack-sized temp).
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slots:
+    """How one traced program takes the parameters: one argument per path, or stacked per scanned run.
+
+    Attributes:
+      runs: the program's scanned runs.
+      stacks: per stacked argument, its paths (one per call of its run, for one parameter position).
+      run_stacks: per run (by start step), its stacked arguments' indices by parameter position.
+      trained: the trained arguments: a path, or a stack index.
+      frozen: the frozen arguments, likewise.
+    """
+
+    runs: tuple[Run, ...]
+    stacks: tuple[tuple[str, ...], ...]
+    run_stacks: dict
+    trained: tuple
+    frozen: tuple
+
+    def values(self, trained: Sequence[Any], frozen: Sequence[Any]) -> tuple[Callable[[str], Any], list[Any]]:
+        """``value(path)`` and the stacked arguments, from the program's parameter arguments."""
+        stacked: list[Any] = [None] * len(self.stacks)
+        single: dict[str, Any] = {}
+        for slot, x in [*zip(self.trained, trained), *zip(self.frozen, frozen)]:
+            if isinstance(slot, str):
+                single[slot] = x
+            else:
+                stacked[slot] = x
+        where = {p: (g, k) for g, paths in enumerate(self.stacks) for k, p in enumerate(paths)}
+
+        def value(path: str) -> Any:
+            if path in single:
+                return single[path]
+            g, k = where[path]
+            return stacked[g][k]
+
+        return value, stacked
 
 
 class CompiledModel:
@@ -104,6 +168,8 @@ class CompiledModel:
         self.plan: Plan | None = None
         self._traces = TraceCache(tuple(self.units))
         self._programs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # GlueProgram -> {key: Compiled}
+        self._slots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # GlueProgram -> _Slots
+        self._stacked: dict[tuple[str, ...], tuple[tuple, jax.Array]] = {}  # stack paths -> (writes, array)
         self.peak_device_bytes = 0
         self.fetch_wait_s = 0.0  # seconds so far reading the param shards into the program's arguments
         self._rep = NamedSharding(self.mesh, P())
@@ -133,8 +199,8 @@ class CompiledModel:
 
     def _gather(self, layouts: Sequence[ParamLayout], stored: Sequence[jax.Array]) -> list[jax.Array]:
         out = []
-        for lay, x in zip(layouts, stored):
-            x = self._to_device(lay, x)
+        placed = jax.lax.optimization_barrier([self._to_device(lay, x) for lay, x in zip(layouts, stored)])
+        for lay, x in zip(layouts, placed):  # the barrier: see [Note: scanned runs]
             if _floating(x.dtype):
                 x = x.astype(self.compute_dtype)
             x = jax.lax.with_sharding_constraint(x, self._rep)
@@ -162,43 +228,104 @@ class CompiledModel:
             total = total + jnp.asarray(self.param_loss(path, full), jnp.float32)
         return total
 
-    def _by_path(self, trained: Sequence[Any], frozen: Sequence[Any]) -> dict[str, Any]:
-        """The program's parameter arguments by path."""
-        return {**dict(zip(self._train_paths, trained)), **dict(zip(self._frozen_paths, frozen))}
+    def _slots_of(self, traced: Traced, train: bool) -> _Slots:
+        """The program's parameter arguments: its scanned runs' stacks, and one per other path (cached)."""
+        hit = self._slots.get(traced.program)
+        if hit is not None:
+            return hit
+        program, units, trained = traced.program, self.units, set(self._train_paths)
 
-    def _loss_fn(self, traced: Traced, train: bool, grad: bool) -> Callable:
+        def key(c: Any) -> tuple:
+            lays = tuple((l.kind, l.shape, l.dtype, l.dim, l.num_shards, l.axes) for l in self._layouts[c.uid])
+            return (self.adapter.program_key(c.uid, c.method, train), lays,
+                    tuple(p in trained for p in units[c.uid].param_paths))
+
+        runs = tuple(find_runs(program.steps, program.calls, program.outvars, key))
+        stacks, run_stacks = [], {}
+        for run in runs:
+            uids = [program.calls[k].uid for k in run.calls]
+            run_stacks[run.start] = tuple(range(len(stacks), len(stacks) + len(units[uids[0]].param_paths)))
+            stacks += [tuple(units[u].param_paths[j] for u in uids) for j in range(len(units[uids[0]].param_paths))]
+        in_stack = {p for paths in stacks for p in paths}
+        hit = self._slots[traced.program] = _Slots(
+            runs, tuple(stacks), run_stacks,
+            (*[p for p in self._train_paths if p not in in_stack], *[g for g, ps in enumerate(stacks) if ps[0] in trained]),
+            (*[p for p in self._frozen_paths if p not in in_stack],
+             *[g for g, ps in enumerate(stacks) if ps[0] not in trained]))
+        return hit
+
+    def _scan(self, calls: Sequence[Any], run: Run, stacked: Sequence[jax.Array], ins: list[list[Any]],
+              train: bool, grad: bool) -> list[list[Any]]:
+        """A run of alike unit calls as one ``lax.scan`` over its stacked parameters (see [Note: scanned runs]).
+
+        ``ins``/the result: as ``call_run`` of :class:`~zinf_jax.engine.glue.GlueProgram`.
+        """
+        c0 = calls[run.calls[0]]
+        fn, n = self._unit(c0.uid, c0.method, c0.sig, train, grad), len(run.calls)
+        first = ins[0]
+        carried = [p for p, o in enumerate(run.carry) if o is not None]
+        per_call = [p for p, o in enumerate(run.carry) if o is None and not run.invariant[p]]
+        xs = [jnp.stack([ins[k][p] for k in range(n)]) for p in per_call]
+
+        def body(carry, x):
+            params, xs_k = x
+            dyn = list(first)
+            for p, v in zip(carried, carry):
+                dyn[p] = v
+            for p, v in zip(per_call, xs_k):
+                dyn[p] = v
+            outs = c0.out_tree.flatten_up_to(fn(list(params), dyn))
+            return [outs[run.carry[p]] for p in carried], [outs[o] for o in run.outputs]
+
+        final, ys = jax.lax.scan(body, [first[p] for p in carried], (list(stacked), xs))
+        result: list[list[Any]] = [[None] * c0.out_tree.num_leaves for _ in range(n)]
+        for o, y in zip(run.outputs, ys):
+            for k in range(n):
+                result[k][o] = y[k]
+        for p, v in zip(carried, final):
+            result[-1][run.carry[p]] = v
+        return result
+
+    def _loss_fn(self, traced: Traced, slots: _Slots, train: bool, grad: bool) -> Callable:
         """``(trained, glue, frozen, rest) -> (out, state, batch_state)`` over the stored shards."""
         program, calls, units = traced.program, traced.program.calls, self.units
 
         def loss_of(trained, glue, frozen, rest):
-            params = self._by_path(trained, frozen)
+            value, stacked = slots.values(trained, frozen)
 
             def call(k, dyn):
                 c = calls[k]
                 fn = self._unit(c.uid, c.method, c.sig, train, grad)
-                return c.out_tree.flatten_up_to(fn([params[p] for p in units[c.uid].param_paths], dyn))
+                return c.out_tree.flatten_up_to(fn([value(p) for p in units[c.uid].param_paths], dyn))
 
-            return traced.unflatten(program([*glue, *rest], call))
+            def call_run(run, ins):
+                return self._scan(calls, run, [stacked[g] for g in slots.run_stacks[run.start]], ins, train, grad)
+
+            return traced.unflatten(program([*glue, *rest], call, slots.runs, call_run))
 
         return loss_of
 
-    def _grad_sharding(self, path: str) -> NamedSharding:
+    def _grad_out(self, slots: _Slots, slot: Any, g: jax.Array) -> jax.Array:
+        """A trained argument's gradient as it leaves the program: float32, reduce-scattered, in its memory."""
         kind = "pinned_host" if self.grads_on_host else "device"
-        return NamedSharding(self.mesh, self.store.layouts[path].spec, memory_kind=kind)
+        lay = self.store.layouts[slot if isinstance(slot, str) else slots.stacks[slot][0]]
+        spec = lay.spec if isinstance(slot, str) else P(None, *lay.spec)
+        g = jax.lax.with_sharding_constraint(g.astype(jnp.float32), NamedSharding(self.mesh, spec))
+        return jax.device_put(g, NamedSharding(self.mesh, spec, memory_kind=kind))
 
-    def _train_program(self, traced: Traced, has_aux: bool) -> Callable:
-        loss_of, called = self._loss_fn(traced, True, True), list(dict.fromkeys(c.uid for c in traced.program.calls))
+    def _train_program(self, traced: Traced, slots: _Slots, has_aux: bool) -> Callable:
+        loss_of, called = self._loss_fn(traced, slots, True, True), list(dict.fromkeys(c.uid for c in traced.program.calls))
 
         def step(trained, glue, frozen, rest, scale):
             def f(t, g):
                 out, new_state, batch_state = loss_of(t, g, frozen, rest)
                 loss, aux = out if has_aux else (out, None)
                 if self.param_loss is not None:  # as the streamed engine: the glue, and each unit called
-                    params = self._by_path(t, frozen)
+                    value, _ = slots.values(t, frozen)
                     loss = loss + self._penalty(self.adapter.glue_paths, g)
                     for uid in called:
                         paths = self.units[uid].param_paths
-                        loss = loss + self._penalty(paths, [params[p] for p in paths])
+                        loss = loss + self._penalty(paths, [value(p) for p in paths])
                 return loss, (aux, new_state, batch_state)
 
             loss, vjp, (aux, new_state, batch_state) = jax.vjp(f, trained, glue, has_aux=True)
@@ -206,10 +333,7 @@ class CompiledModel:
                 raise EngineError(f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}; reduce it "
                                   "(e.g. jnp.mean) — nothing was applied")
             g_trained, g_glue = vjp(jnp.full_like(loss, scale))
-            g_trained = [jax.device_put(jax.lax.with_sharding_constraint(g.astype(jnp.float32),
-                                                                         self.store.sharding(p)),
-                                        self._grad_sharding(p))
-                         for p, g in zip(self._train_paths, g_trained)]
+            g_trained = [self._grad_out(slots, slot, g) for slot, g in zip(slots.trained, g_trained)]
             return loss, aux, new_state, batch_state, g_trained, g_glue
 
         return step
@@ -233,11 +357,11 @@ class CompiledModel:
             - stats.alias_size_in_bytes
         self.peak_device_bytes = max(self.peak_device_bytes, int(per_device) * len(self.mesh.local_devices))
 
-    def _params(self) -> tuple[list[jax.Array], list[jax.Array]]:
-        """The stored shards of every unit parameter (trained, frozen), after any optimizer write.
+    def _params(self, slots: _Slots) -> tuple[list[jax.Array], list[jax.Array]]:
+        """The program's parameter arguments (trained, frozen; see :class:`_Slots`), after any optimizer write.
 
         A parameter the store has not written since it was last read (a frozen one, or all of them
-        between evaluations) is not read again.
+        between evaluations) is not read again, nor a stack none of whose paths was written.
         """
         self.gate.wait(self.unit_paths)  # See [Note: write gate]
         kind = "pinned_host" if self.host_params else None
@@ -245,8 +369,33 @@ class CompiledModel:
         stale = [p for p in self.unit_paths if self._fetched.get(p, (-1,))[0] != self.store.writes(p)]
         for p, arr in zip(stale, self.store.fetch(stale, memory_kind=kind) if stale else []):
             self._fetched[p] = (self.store.writes(p), arr)
+        stacked = [self._stack(paths) for paths in slots.stacks]
         self.fetch_wait_s += time.perf_counter() - t0
-        return ([self._fetched[p][1] for p in self._train_paths], [self._fetched[p][1] for p in self._frozen_paths])
+
+        def arg(slot: Any) -> jax.Array:
+            return self._fetched[slot][1] if isinstance(slot, str) else stacked[slot]
+
+        return [arg(x) for x in slots.trained], [arg(x) for x in slots.frozen]
+
+    def _stack(self, paths: tuple[str, ...]) -> jax.Array:
+        """The stored shards of ``paths`` (one layout) stacked along a new first axis, in their tier's memory."""
+        writes = tuple(self._fetched[p][0] for p in paths)
+        hit = self._stacked.get(paths)
+        if hit is not None and hit[0] == writes:
+            return hit[1]
+        lay, arrays = self.store.layouts[paths[0]], [self._fetched[p][1] for p in paths]
+        kind = "pinned_host" if self.host_params else None
+        sharding = NamedSharding(self.mesh, P(None, *lay.spec), memory_kind=kind)
+        if self.host_params:  # host buffers: stacked by numpy, one put per device
+            devs = [sh.device for sh in arrays[0].addressable_shards]
+            by_dev = [{sh.device: sh.data for sh in a.addressable_shards} for a in arrays]
+            bufs = [np.stack([np.asarray(m[d]) for m in by_dev]) for d in devs]
+            puts = jax.device_put(bufs, [jax.sharding.SingleDeviceSharding(d, memory_kind=kind) for d in devs])
+            out = jax.make_array_from_single_device_arrays((len(paths), *lay.stored_shape), sharding, puts)
+        else:
+            out = _stacker(sharding)(*arrays)
+        self._stacked[paths] = (writes, out)
+        return out
 
     # --- passes ---------------------------------------------------------------------------
     def _check_eager(self, batch: Any, glue: Sequence[jax.Array]) -> None:
@@ -256,15 +405,16 @@ class CompiledModel:
     def _train_args(self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array], loss_scale: float):
         self._check_eager(batch, glue)
         traced = self._traced(loss_fn, batch, glue, True)
-        trained, frozen = self._params()
+        slots = self._slots_of(traced, True)
+        trained, frozen = self._params(slots)
         rest = traced.args[len(glue):]
-        return traced, (trained, list(glue), frozen, rest, np.float32(loss_scale))
+        return traced, slots, (trained, list(glue), frozen, rest, np.float32(loss_scale))
 
     def lower(self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array], *, has_aux: bool,
               loss_scale: float = 1.0) -> jax.stages.Lowered:
         """The training step's program for ``batch`` (forward, backward, gradients out), lowered."""
-        traced, args = self._train_args(loss_fn, batch, glue, loss_scale)
-        return self._compiled(traced, ("train", has_aux), lambda: self._train_program(traced, has_aux), args)[0]
+        traced, slots, args = self._train_args(loss_fn, batch, glue, loss_scale)
+        return self._compiled(traced, ("train", has_aux), lambda: self._train_program(traced, slots, has_aux), args)[0]
 
     def forward_backward(
         self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array], *, has_aux: bool, loss_scale: float = 1.0,
@@ -277,13 +427,17 @@ class CompiledModel:
         """
         if not accumulate:
             self.sink.clear()
-        traced, args = self._train_args(loss_fn, batch, glue, loss_scale)
-        _, prog = self._compiled(traced, ("train", has_aux), lambda: self._train_program(traced, has_aux), args)
+        traced, slots, args = self._train_args(loss_fn, batch, glue, loss_scale)
+        _, prog = self._compiled(traced, ("train", has_aux), lambda: self._train_program(traced, slots, has_aux), args)
         if before_backward is not None:
             before_backward()
         loss, aux, new_state, batch_state, g_trained, g_glue = prog(*args)
         del args
-        self.sink.add_many(self._train_paths, g_trained)
+        singles = [(x, g) for x, g in zip(slots.trained, g_trained) if isinstance(x, str)]
+        self.sink.add_many([x for x, _ in singles], [g for _, g in singles])
+        for x, g in zip(slots.trained, g_trained):
+            if not isinstance(x, str):
+                self.sink.add_stacked(slots.stacks[x], g)
         self.state = new_state
         self.adapter.update_batch(batch, batch_state)
         return loss, aux, g_glue
@@ -293,9 +447,10 @@ class CompiledModel:
         """Loss (and aux) of a forward pass only, compiled (see ``StreamedModel.forward``)."""
         self._check_eager(batch, glue)
         traced = self._traced(loss_fn, batch, glue, train)
-        trained, frozen = self._params()
+        slots = self._slots_of(traced, train)
+        trained, frozen = self._params(slots)
         args = (trained, list(glue), frozen, traced.args[len(glue):])
-        _, prog = self._compiled(traced, ("eval", train), lambda: self._loss_fn(traced, train, False), args)
+        _, prog = self._compiled(traced, ("eval", train), lambda: self._loss_fn(traced, slots, train, False), args)
         out, new_state, batch_state = prog(*args)
         if train:
             self.state = new_state

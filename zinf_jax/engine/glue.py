@@ -169,15 +169,47 @@ class GlueProgram:
             s.drop += [v for v in s.outs if isinstance(v, core.Var) and v not in keep and v not in last]
         self.steps = [s for s in self.steps if s.eqns is None or s.outs or s.effects]
 
-    def __call__(self, args: Sequence[Any], call_unit: Callable[[int, list[Any]], list[Any]]) -> list[Any]:
-        """The loss's flat outputs; ``call_unit(k, dyn)`` runs recorded call ``k`` and returns its flat outputs."""
+    @property
+    def outvars(self) -> list[Any]:
+        """The loss's flat output variables."""
+        return list(self._outvars)
+
+    def __call__(self, args: Sequence[Any], call_unit: Callable[[int, list[Any]], list[Any]],
+                 runs: Sequence[Any] = (), call_run: Callable[[Any, list[list[Any]]], list[list[Any]]] | None = None,
+                 ) -> list[Any]:
+        """The loss's flat outputs; ``call_unit(k, dyn)`` runs recorded call ``k`` and returns its flat outputs.
+
+        ``runs`` (:class:`~zinf_jax.engine.runs.Run` objects over :attr:`steps`) are run by ``call_run(run, ins)``
+        instead, ``ins`` holding each call's inputs (``None`` where the previous call's output is
+        carried); it returns each call's outputs (``None`` where nothing after the run reads one).
+        """
         env = dict(self._consts)
         env.update(zip(self._invars, args))
+        starts = {r.start: r for r in runs}
 
         def read(v: Any) -> Any:
             return v.val if isinstance(v, core.Literal) else env[v]
 
-        for s in self.steps:
+        def bind(s: _Step, outs: Sequence[Any]) -> None:
+            for v, x in zip(s.outs, outs):
+                if x is not None and not isinstance(v, core.DropVar):
+                    env[v] = x
+
+        i = 0
+        while i < len(self.steps):
+            run = starts.get(i)
+            if run is not None:
+                steps = self.steps[run.start:run.stop]
+                ins = [[None if n and run.carry[p] is not None else read(v) for p, v in enumerate(s.ins)]
+                       for n, s in enumerate(steps)]
+                for s, outs in zip(steps, call_run(run, ins)):
+                    bind(s, outs)
+                for s in steps:
+                    for v in s.drop:
+                        env.pop(v, None)
+                i = run.stop
+                continue
+            s = self.steps[i]
             ins = [read(v) for v in s.ins]
             if s.eqns is not None:
                 with TraceAnnotation("zinf/glue"):
@@ -185,11 +217,10 @@ class GlueProgram:
             else:
                 outs = call_unit(s.call, ins)
             del ins
-            for v, x in zip(s.outs, outs):
-                if not isinstance(v, core.DropVar):
-                    env[v] = x
+            bind(s, outs)
             for v in s.drop:
                 env.pop(v, None)
+            i += 1
         return [read(v) for v in self._outvars]
 
 

@@ -61,6 +61,17 @@ class GradSink:
             for idx, s in shards.items():
                 self.add_local(path, idx, np.asarray(s, dtype=np.float32))
 
+    def add_stacked(self, paths: Sequence[str], grad: jax.Array) -> None:
+        """Adds gradients that arrive stacked, ``grad[k]`` being ``paths[k]``'s (a scanned run's parameters,
+        see [Note: scanned runs] in :mod:`zinf_jax.engine.compiled`); the paths share one layout."""
+        shards = split_local(self.layouts[paths[0]], self.mesh, grad)
+        for s in shards.values():
+            s.copy_to_host_async()
+        for idx, s in shards.items():
+            host = np.asarray(s, dtype=np.float32)
+            for k, path in enumerate(paths):
+                self.add_local(path, idx, host[k])
+
     def add_local(self, path: str, index: int, grad: np.ndarray) -> None:
         """Adds a host gradient for one local shard (persistent parameters)."""
         if self.target is not None:
