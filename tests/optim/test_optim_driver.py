@@ -432,3 +432,54 @@ def test_tier_grads_keep_small_shards_in_ram_and_write_large_ones(tmp_path):
     tg.clear()
     assert tg.nbytes() == 0 and not tg.has("s", 0)
     tier.close()
+
+
+def test_optax_rule_compiles_once_per_distinct_program_and_keeps_path_masks(tmp_path):
+    """Alike paths share one compiled chunk program; a mask that tells two same-shape paths apart (by name)
+    still gives each its own update, as optax on the whole tree."""
+    shapes = {f"blocks/{i}/w": (16, 8) for i in range(4)}
+    structs = {p: jax.ShapeDtypeStruct(s, jnp.float32) for p, s in shapes.items()}
+    lays = plan_partition(structs, make_mesh(), persistence_threshold=16)
+    tx = lambda: optax.adamw(1e-2, weight_decay=0.5,  # noqa: E731
+                             mask=lambda t: jax.tree_util.tree_map_with_path(
+                                 lambda path, _: "3" not in [getattr(k, "key", None) for k in path], t))
+    rng = np.random.default_rng(0)
+    params = {p: rng.uniform(0.5, 1.5, s).astype(np.float32) for p, s in shapes.items()}
+    grads = [{p: rng.standard_normal(s).astype(np.float32) for p, s in shapes.items()} for _ in range(3)]
+    ref = _optax(grads, params, _nest_tx(tx()))
+    opt = StreamedAdam(tx(), CpuTier(memory="numpy"), lays, local_indices=lambda q: list(range(lays[q].num_shards)),
+                       sub_group_size=LARGE)
+    opt.declare()
+    for q, full in params.items():
+        for i, shard in _split(lays[q], full).items():
+            opt.init_shard(q, i, shard)
+    for g in grads:
+        _step(opt, lays, g, _Writes())
+    got = _masters(opt, lays)
+    for q in shapes:
+        np.testing.assert_allclose(got[q], ref[q], rtol=1e-6, atol=1e-7, err_msg=q)
+    assert not np.allclose(got["blocks/3/w"] - got["blocks/0/w"], params["blocks/3/w"] - params["blocks/0/w"])
+    assert len(opt.rule._by_text) == 2  # blocks 0-2 alike, block 3 without decay
+
+
+def _nest_tx(tx):
+    """``tx`` on the flat ``path -> array`` dict of :func:`_optax`, seen nested as the driver shows it."""
+    def nest(flat):
+        out = {}
+        for p, v in flat.items():
+            node = out
+            *head, last = p.split("/")
+            for k in head:
+                node = node.setdefault(k, {})
+            node[last] = v
+        return out
+
+    def unnest(tree, prefix=""):
+        flat = {}
+        for k, v in tree.items():
+            flat.update(unnest(v, f"{prefix}{k}/") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return flat
+
+    return optax.GradientTransformation(
+        lambda p: tx.init(nest(p)),
+        lambda g, s, p=None: (lambda u, s2: (unnest(u), s2))(*tx.update(nest(g), s, None if p is None else nest(p))))

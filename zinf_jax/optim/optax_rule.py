@@ -139,6 +139,7 @@ class OptaxRule:
         self._pending: dict[str, list[np.ndarray]] = {}
         self._progs: dict[str, Any] = {}
         self._inits: dict[str, Any] = {}
+        self._by_text: dict[str, Any] = {}  # lowered program text -> compiled (paths the transform treats alike)
         for path, lay in layouts.items():
             keys = tuple(path.split("/"))
             shape = (int(chunks[path]),) + (1,) * max(len(lay.shape) - 1, 0)
@@ -165,7 +166,13 @@ class OptaxRule:
         with jax.default_device(_cpu()):
             return prog(master)
 
-    def _program(self, path: str) -> Any:
+    def _program(self, path: str, args: tuple) -> Any:
+        """The compiled update of ``path``'s chunks, for arguments like ``args``.
+
+        One program per path (a transform may treat paths differently: ``optax.masked``,
+        ``multi_transform`` labels), but compiled once per distinct lowered program: the blocks of a
+        deep model share their paths' programs, so the first step does not compile one per parameter.
+        """
         prog = self._progs.get(path)
         if prog is not None:
             return prog
@@ -185,7 +192,13 @@ class OptaxRule:
             return (new_p, [x.reshape(-1).astype(jnp.float32) for x, k in zip(new_leaves, info.elementwise) if k],
                     [x for x, k in zip(new_leaves, info.elementwise) if not k])
 
-        prog = self._progs[path] = jax.jit(run)
+        with jax.default_device(_cpu()):
+            lowered = jax.jit(run).lower(*args)
+        text = lowered.as_text()
+        prog = self._by_text.get(text)
+        if prog is None:
+            prog = self._by_text[text] = lowered.compile()
+        self._progs[path] = prog
         return prog
 
     # --- the UpdateRule protocol ------------------------------------------------
@@ -204,8 +217,9 @@ class OptaxRule:
         p, *elems = arrays
         g = np.zeros_like(p)
         g[:valid] = grad
+        args = (p, g, elems, self._scalars[path], np.float32(mult))
         with jax.default_device(_cpu()):
-            new_p, new_elems, new_scalars = self._program(path)(p, g, elems, self._scalars[path], np.float32(mult))
+            new_p, new_elems, new_scalars = self._program(path, args)(*args)
         p[:valid] = np.asarray(new_p)[:valid]
         for a, x in zip(elems, new_elems):
             a[:valid] = np.asarray(x)[:valid]
