@@ -45,7 +45,7 @@ from zinf_jax.engine.runs import Run, find_runs
 from zinf_jax.engine.store import ParamStore
 from zinf_jax.engine.streamed import JIT_MESSAGE
 from zinf_jax.errors import EngineError
-from zinf_jax.plan.partition import ParamLayout, from_stored
+from zinf_jax.plan.partition import ParamLayout, assemble_many, from_stored, stacked_layout
 from zinf_jax.plan.units import Plan
 
 __all__ = ["CompiledModel"]
@@ -366,7 +366,9 @@ class CompiledModel:
         self.gate.wait(self.unit_paths)  # See [Note: write gate]
         kind = "pinned_host" if self.host_params else None
         t0 = time.perf_counter()
-        stale = [p for p in self.unit_paths if self._fetched.get(p, (-1,))[0] != self.store.writes(p)]
+        stacked_paths = {p for paths in slots.stacks for p in paths if self._raw_stack(p)}
+        stale = [p for p in self.unit_paths
+                 if p not in stacked_paths and self._fetched.get(p, (-1,))[0] != self.store.writes(p)]
         for p, arr in zip(stale, self.store.fetch(stale, memory_kind=kind) if stale else []):
             self._fetched[p] = (self.store.writes(p), arr)
         stacked = [self._stack(paths) for paths in slots.stacks]
@@ -377,23 +379,31 @@ class CompiledModel:
 
         return [arg(x) for x in slots.trained], [arg(x) for x in slots.frozen]
 
+    def _raw_stack(self, path: str) -> bool:
+        """A stack of ``path``'s layout is built from the tier's shards, not from fetched arrays."""
+        return self.host_params or self.store.layouts[path].dim is None
+
     def _stack(self, paths: tuple[str, ...]) -> jax.Array:
-        """The stored shards of ``paths`` (one layout) stacked along a new first axis, in their tier's memory."""
-        writes = tuple(self._fetched[p][0] for p in paths)
+        """The stored shards of ``paths`` (one layout) stacked along a new first axis, in their tier's memory.
+
+        On the cpu tier from the tier's host shards (numpy stacks per shard index, one batched put); on
+        the device tier by one jitted stack of the fetched arrays, or for a persistent parameter (one
+        shard, every device) one stack of the shards and one put to every device.
+        """
+        writes = tuple(self.store.writes(p) for p in paths)
         hit = self._stacked.get(paths)
         if hit is not None and hit[0] == writes:
             return hit[1]
-        lay, arrays = self.store.layouts[paths[0]], [self._fetched[p][1] for p in paths]
-        kind = "pinned_host" if self.host_params else None
-        sharding = NamedSharding(self.mesh, P(None, *lay.spec), memory_kind=kind)
-        if self.host_params:  # host buffers: stacked by numpy, one put per device
-            devs = [sh.device for sh in arrays[0].addressable_shards]
-            by_dev = [{sh.device: sh.data for sh in a.addressable_shards} for a in arrays]
-            bufs = [np.stack([np.asarray(m[d]) for m in by_dev]) for d in devs]
-            puts = jax.device_put(bufs, [jax.sharding.SingleDeviceSharding(d, memory_kind=kind) for d in devs])
-            out = jax.make_array_from_single_device_arrays((len(paths), *lay.stored_shape), sharding, puts)
+        lay = self.store.layouts[paths[0]]
+        if self._raw_stack(paths[0]):
+            futs = [{i: self.store.read_local(p, i) for i in self.store.local_indices(p)} for p in paths]
+            stack = (lambda xs: np.stack([np.asarray(x) for x in xs])) if self.host_params else jnp.stack
+            bufs = {i: stack([f[i].result() for f in futs]) for i in futs[0]}
+            kind = "pinned_host" if self.host_params else None
+            out = assemble_many([stacked_layout(lay, len(paths))], self.mesh, [bufs], memory_kind=kind)[0]
         else:
-            out = _stacker(sharding)(*arrays)
+            sharding = NamedSharding(self.mesh, P(None, *lay.spec))
+            out = _stacker(sharding)(*[self._fetched[p][1] for p in paths])
         self._stacked[paths] = (writes, out)
         return out
 

@@ -46,6 +46,8 @@ __all__ = [
     "shard_index_of",
     "local_shard_devices",
     "assemble",
+    "assemble_many",
+    "stacked_layout",
     "split_local",
     "format_table",
 ]
@@ -366,6 +368,13 @@ def assemble(layout: ParamLayout, mesh: Mesh, shards: Mapping[int, Any], dtype: 
       A jax.Array with ``NamedSharding(mesh, layout.spec)`` in device memory.
     """
     return assemble_many([layout], mesh, [shards], dtype)[0]
+
+
+def stacked_layout(layout: ParamLayout, n: int) -> ParamLayout:
+    """The layout of ``n`` stored arrays of ``layout`` stacked along a new first axis (sharded as each one is)."""
+    return dataclasses.replace(layout, shape=(n, *layout.stored_shape),
+                               kind="persistent" if layout.dim is None else "sharded",
+                               dim=None if layout.dim is None else layout.dim + 1)
 
 
 def assemble_many(layouts: Sequence[ParamLayout], mesh: Mesh, shards: Sequence[Mapping[int, Any]],
