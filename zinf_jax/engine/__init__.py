@@ -13,7 +13,8 @@ The modules, in data-flow order:
   :mod:`~zinf_jax.engine.glue` (the loss traced once, cut at unit calls into compiled segments),
   :mod:`~zinf_jax.engine.streamed` (the ``custom_vjp`` hooks: fetch, run, release; backward:
   fetch, recompute, vjp), :mod:`~zinf_jax.engine.compiled` (the same traced loss as one XLA program
-  per step), :mod:`~zinf_jax.engine.grads` (gradients reduce-scattered to a sink),
+  per step; :mod:`~zinf_jax.engine.runs` finds the runs of alike unit calls it scans),
+  :mod:`~zinf_jax.engine.grads` (gradients reduce-scattered to a sink),
   :mod:`~zinf_jax.engine.hostmem` (freed host pages returned);
 * stepping: :mod:`~zinf_jax.engine.batching` (a batch on the mesh, micro-batches),
   :mod:`~zinf_jax.engine.overlap` (the write gate), :mod:`~zinf_jax.engine.lifecycle`
@@ -30,7 +31,9 @@ the checkpoints (one format: a checkpoint saved by one restores into the other) 
 :class:`~zinf_jax.engine.stepping.Stepper` do not know which ran. The *compiled* engine
 (:mod:`~zinf_jax.engine.compiled`) turns the trace into one jitted function of every unit's stored
 shards: each unit call stages its shards to device memory and gathers them inside the program,
-under ``jax.checkpoint`` at the unit boundary; XLA schedules the whole step. The *streamed* engine
+under ``jax.checkpoint`` at the unit boundary; a run of alike unit calls (a transformer's blocks) is
+one ``lax.scan`` over their stacked shards, so the program's size and device memory do not grow
+with depth ([Note: scanned runs]); XLA schedules the whole step. The *streamed* engine
 (:mod:`~zinf_jax.engine.streamed`) interprets it eagerly, because a parameter on nvme must be read
 between two unit programs. The parts below ``Components`` receive one of them as ``passes``.
 
