@@ -5,8 +5,10 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
+import pytest
 from flax import nnx
 
 import zinf_jax as zinf
@@ -70,3 +72,112 @@ def test_two_processes_match_single_process(tmp_path):
     assert sharded and all(loc == [4, 5, 6, 7] for loc in sharded)  # only its addressable shards
     assert outs[0]["losses"] == outs[1]["losses"]
     np.testing.assert_allclose(outs[0]["losses"], _single("nvme"), rtol=1e-5)
+
+
+def _chunks(root):
+    """``{tier key: {chunk: bytes}}`` of the tensorstore chunk files under an nvme directory (any process)."""
+    out = {}
+    for f in Path(root).rglob("*"):
+        rel = f.relative_to(root).as_posix()
+        if f.is_file() and "/c/" in rel:
+            key, chunk = rel.split("/c/")
+            key = "/".join(x for x in key.split("/") if not x.startswith("process_"))
+            out.setdefault(key, {})[chunk] = f.stat().st_size
+    return out
+
+
+FOUR_STEPS, FOUR_SAVE_AT = 6, 3
+
+
+@pytest.fixture(scope="module")
+def four_processes(tmp_path_factory):
+    """A 4-process x 2-device job, each process with its own nvme directory: (per-process results, its dir)."""
+    import jax
+
+    work = tmp_path_factory.mktemp("four")
+    port = str(_port())
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    env["ZINF_TEST_JAX_CACHE"] = jax.config.jax_compilation_cache_dir or ""
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "..", "workers", "mp4_worker.py"), str(i), "4", port,
+                               str(work), str(FOUR_STEPS), str(FOUR_SAVE_AT)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, env=env, text=True) for i in range(4)]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-3000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    return outs, work
+
+
+def test_four_processes_with_their_own_nvme_match_one_and_restore_on_one(four_processes, tmp_path):
+    """4 processes x 2 devices, each with its own nvme directory (separate hosts): 6 steps equal 1 x 8; each
+    directory holds a quarter of the sharded state; the 4-process checkpoints restore on 1 x 8 and go on equally."""
+    outs, work = four_processes
+    steps, save_at = FOUR_STEPS, FOUR_SAVE_AT
+    assert [(o["devices"], o["local"], o["mode"]) for o in outs] == [(8, 2, "streamed")] * 4
+    assert all(o["losses"] == outs[0]["losses"] for o in outs)
+
+    cfg = GPTConfig(vocab=256, d_model=32, n_heads=4, n_layers=2, seq=16)
+    kw = dict(loss_fn=lm_loss, optimizer=zinf.adamw(3e-3, weight_decay=0.1, clip_norm=1.0))
+    data = corpus()
+    mk = lambda: GPT(cfg, rngs=nnx.Rngs(0))  # noqa: E731
+
+    def conf(sub):
+        (tmp_path / sub).mkdir()
+        off = zinf.Offload("nvme", path=str(tmp_path / sub))
+        return zinf.ZeroConfig(offload_param=off, offload_optimizer=off, persistence_threshold=600)
+
+    ref = zinf.initialize(mk, config=conf("ref"), **kw)
+    ref_losses = [ref.train_step(batch_at(data, s, 8, cfg.seq))["loss"] for s in range(steps)]
+    ref_params = ref.param_arrays()
+    ref.close()
+    np.testing.assert_allclose(outs[0]["losses"], ref_losses, rtol=1e-5)
+    # each host's disk holds a quarter of the sharded state (every shard once over the four) and its own copy
+    # of the persistent parameters' state (under persistence_threshold, replicated); chunk data only
+    ref_chunks = _chunks(tmp_path / "ref")
+    sharded = {k for k, c in ref_chunks.items() if len(c) > 1}
+    total = sum(sum(c.values()) for k, c in ref_chunks.items() if k in sharded)
+    persistent = sum(sum(c.values()) for k, c in ref_chunks.items() if k not in sharded)
+    assert total > 10 * persistent
+    per_host = [_chunks(work / f"host_{i}") for i in range(4)]
+    for i, chunks in enumerate(per_host):
+        assert set(chunks) == set(ref_chunks)
+        mine = sum(sum(c.values()) for k, c in chunks.items() if k in sharded)
+        assert mine == total // 4, (i, mine, total)
+        assert sum(sum(c.values()) for k, c in chunks.items() if k not in sharded) == persistent
+    assert all(len({frozenset(h[k]) for h in per_host}) == 4 for k in sharded)  # disjoint shards per host
+
+    mid = zinf.restore(work / "ckpt" / f"step_{save_at:08d}", mk, config=conf("mid"), **kw)
+    assert mid.step == save_at
+    going_on = [mid.train_step(batch_at(data, s, 8, cfg.seq))["loss"] for s in range(save_at, steps)]
+    mid.close()
+    np.testing.assert_allclose(going_on, outs[0]["losses"][save_at:], rtol=1e-6)
+    end = zinf.restore(work / "ckpt" / f"step_{steps:08d}", mk, config=conf("end"), **kw)
+    got = end.param_arrays()
+    end.close()
+    for path, r in ref_params.items():
+        np.testing.assert_allclose(got[path], r, rtol=1e-5, atol=1e-6, err_msg=path)
+
+
+@pytest.mark.slow  # ~25 s more; the 1 x 8 restore is in the default suite
+def test_a_four_process_checkpoint_restores_on_two_processes(four_processes, tmp_path):
+    """The 4-process job's step-3 checkpoint restored by a 2 x 4 job (host-RAM tiers): its next loss is the
+    4-process run's fourth."""
+    import shutil
+
+    outs, work = four_processes
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    shutil.copytree(work / "ckpt" / f"step_{FOUR_SAVE_AT:08d}", ckpt / f"step_{FOUR_SAVE_AT:08d}")
+    port = str(_port())
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "..", "workers", "mp_ckpt_worker.py"), str(i), "2",
+                               port, str(ckpt), "restore"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                              text=True) for i in range(2)]
+    res = []
+    for p in procs:
+        out, err = p.communicate(timeout=400)
+        assert p.returncode == 0, err[-3000:]
+        res.append(json.loads(out.strip().splitlines()[-1]))
+    assert [r["step"] for r in res] == [FOUR_SAVE_AT] * 2
+    np.testing.assert_allclose([r["loss2"] for r in res], [outs[0]["losses"][FOUR_SAVE_AT]] * 2, rtol=1e-6)
