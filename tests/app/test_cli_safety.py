@@ -84,6 +84,12 @@ def _err_lines(capsys) -> list[str]:
     (["--n-heads", "3"], "--n-heads 3: must be a divisor of --d-model 32"),
     (["--param-device", "disk"], "--param-device disk: must be one of none, cpu, nvme"),
     (["--resume", "--overwrite"], "--overwrite: cannot be combined with --resume"),
+    (["--num-processes", "4"], "--num-processes 4 --process-id 0: a multi-process job needs --coordinator HOST:PORT"),
+    (["--num-processes", "0"], "--num-processes 0: must be a positive integer"),
+    (["--coordinator", "localhost:1234", "--num-processes", "4", "--process-id", "4"],
+     "--process-id 4: must be less than --num-processes 4 (0 to 3)"),
+    (["--coordinator", "nohost"], "--coordinator nohost: must be HOST:PORT"),
+    (["--coordinator", "localhost:1234"], "--coordinator localhost:1234: give --num-processes"),
 ])
 def test_every_flag_checked_up_front(tmp_path, capsys, flags, head):
     assert _train(tmp_path / "run", *flags) == 2

@@ -28,6 +28,8 @@ _INTS = {
     "seed": (0, "an integer >= 0"),
     "persistence_threshold": (0, "an integer >= 0 (elements)"),
     "log_every": (1, "a positive integer (steps between progress lines when not on a terminal)"),
+    "num_processes": (1, "a positive integer (processes in the job)"),
+    "process_id": (0, "an integer >= 0 (this process's index in the job)"),
 }
 # field -> (lowest allowed, the lowest excluded, what is allowed)
 _FLOATS = {
@@ -92,10 +94,31 @@ def check_args(args: Any) -> None:
                          "--overwrite deletes it and starts over)")
     if args.config and args.deepspeed_config:
         raise ValueError("--config and --deepspeed-config: give one of them, not both")
+    _check_processes(args)
     if args.tensorboard is not None:
         if not str(args.tensorboard):
             raise _bad("tensorboard", repr(args.tensorboard), "a directory")
         _check_tensorboard(args.tensorboard)
+
+
+def _check_processes(args: Any) -> None:
+    if args.process_id >= args.num_processes:
+        raise _bad("process_id", args.process_id, f"less than --num-processes {args.num_processes} (0 to "
+                                                  f"{args.num_processes - 1})")
+    coord = args.coordinator
+    if not coord:
+        if args.num_processes > 1 or args.process_id:
+            raise ValueError(f"--num-processes {args.num_processes} --process-id {args.process_id}: a multi-process "
+                             "job needs --coordinator HOST:PORT (process 0's address, the same on every process) "
+                             "or --coordinator auto")
+        return
+    if coord != "auto":
+        host, _, port = coord.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise _bad("coordinator", coord, "HOST:PORT (e.g. localhost:12345; process 0's address) or auto")
+        if args.num_processes == 1:
+            raise ValueError(f"--coordinator {coord}: give --num-processes (the job's process count) and "
+                             "--process-id (this one's) with it")
 
 
 def _check_tensorboard(logdir: str) -> None:

@@ -72,7 +72,8 @@ def _flag_help(name: str, doc: str, default: object) -> str:
 
 
 _METAVARS = {"run_dir": "DIR", "nvme_dir": "DIR", "tensorboard": "DIR", "profile": "DIR", "config": "FILE",
-             "deepspeed_config": "FILE", "param_device": "TIER", "optimizer_device": "TIER", "nvme_update": "MODE", "engine": "ENGINE", "moments_dtype": "DTYPE"}
+             "deepspeed_config": "FILE", "param_device": "TIER", "optimizer_device": "TIER", "nvme_update": "MODE", "engine": "ENGINE", "moments_dtype": "DTYPE",
+             "coordinator": "HOST:PORT"}
 
 
 def _train_parser(sub: argparse._SubParsersAction) -> None:
@@ -226,7 +227,11 @@ def _train(a: argparse.Namespace, stop: StopRequest) -> int:
     if "JAX_NUM_CPU_DEVICES" not in os.environ:
         import jax  # without an accelerator, train on a mesh of 8 XLA host devices (before backends start)
 
-        jax.config.update("jax_num_cpu_devices", 8)
+        jax.config.update("jax_num_cpu_devices", max(1, 8 // args.num_processes))  # the job's 8 over its processes
+    if args.coordinator:
+        from zinf_jax.app.job import start
+
+        start(args.coordinator, args.num_processes, args.process_id)
     stop.check("startup")
     summary = train(args, stop=stop)
     if summary["interrupted"]:

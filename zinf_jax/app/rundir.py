@@ -42,13 +42,14 @@ class RunLock:
 
     Args:
       run_dir: the run directory (must exist).
+      name: the lock file (one per process of a multi-process job).
 
     Raises:
       RunDirError: another process holds it (the message names its pid).
     """
 
-    def __init__(self, run_dir: Path):
-        self.path = Path(run_dir) / LOCK
+    def __init__(self, run_dir: Path, name: str = LOCK):
+        self.path = Path(run_dir) / name
         self._f = open(self.path, "a+")
         try:
             fcntl.flock(self._f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -105,8 +106,8 @@ def _half_updated(tier_dir: Path) -> bool:
 
 
 def _check_unlocked(tier_dir: Path) -> None:
-    """Refuses to touch a tier directory whose lock another process holds."""
-    for lock in tier_dir.glob("process_*/LOCK"):
+    """Refuses to touch a tier directory (or one process's part of it) whose lock another process holds."""
+    for lock in [*tier_dir.glob("process_*/LOCK"), *[tier_dir / "LOCK"] * (tier_dir / "LOCK").is_file()]:
         with open(lock, "a+") as f:
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -116,8 +117,13 @@ def _check_unlocked(tier_dir: Path) -> None:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def clear_tier_state(nvme_paths: Iterable[str]) -> list[Path]:
+def clear_tier_state(nvme_paths: Iterable[str], process: int | None = None) -> list[Path]:
     """Deletes the nvme tier state under ``nvme_paths`` (only the engine's own subdirectories).
+
+    Args:
+      nvme_paths: the offload paths of the nvme tiers.
+      process: only this process's part (``<tier>/process_<I>``: one process of a multi-process job
+        whose processes share the path); default: every process's.
 
     Returns:
       The directories deleted.
@@ -127,6 +133,8 @@ def clear_tier_state(nvme_paths: Iterable[str]) -> list[Path]:
     """
     dirs = [Path(root) / sub for root in dict.fromkeys(nvme_paths) for sub in TIER_SUBDIRS
             if (Path(root) / sub).is_dir()]
+    if process is not None:
+        dirs = [d / f"process_{process}" for d in dirs if (d / f"process_{process}").is_dir()]
     for d in dirs:
         _check_unlocked(d)
     for d in dirs:

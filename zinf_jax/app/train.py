@@ -32,6 +32,7 @@ from zinf_jax.api import Engine, close_quietly, initialize, restore
 from zinf_jax.app import rundir
 from zinf_jax.app.checks import check_args, check_batch
 from zinf_jax.app.interrupts import Interrupted, StopRequest
+from zinf_jax.app.job import Job
 from zinf_jax.app.metrics import MetricsLog
 from zinf_jax.app.models import GPT, GPTConfig, batch_at, corpus, lm_loss
 from zinf_jax.app.progress import Progress
@@ -102,6 +103,13 @@ class TrainArgs:
       profile: a directory to write a profiler trace of steps 2-4 of this run
         to (TensorBoard / Perfetto; the engine's ``zinf/...`` regions show
         fetches, unit forward/backward, gradients out, optimizer read/update/write).
+      coordinator: ``HOST:PORT`` of process 0 in a multi-process job (``jax.distributed``; every
+        process gives the same), or ``auto`` (JAX reads the cluster's environment: SLURM, a TPU VM).
+        Process 0 writes the progress, ``metrics.jsonl`` and ``summary.json``; every other process
+        logs to ``<run_dir>/logs/process_<I>.log``. ``--batch`` is the whole job's; each process
+        feeds its share of the rows.
+      num_processes: processes in the job (with ``coordinator``).
+      process_id: this process's index, 0 to ``num_processes - 1`` (with ``coordinator``).
     """
 
     steps: int = 150
@@ -133,6 +141,9 @@ class TrainArgs:
     log_every: int = 10
     tensorboard: str | None = None
     profile: str | None = None
+    coordinator: str = ""
+    num_processes: int = 1
+    process_id: int = 0
 
 
 def build_config(args: TrainArgs) -> ZeroConfig:
@@ -193,10 +204,12 @@ def _engine_kwargs(args: TrainArgs, config: ZeroConfig) -> tuple[Any, dict[str, 
 _NOT_THE_CHECKPOINT = (TierError, ConfigError)  # errors of this job's setup, the same for every checkpoint
 
 
-def _restore_newest_good(ckpt: Path, args: TrainArgs, config: ZeroConfig, out: TextIO) -> tuple[Engine, Path]:
+def _restore_newest_good(ckpt: Path, args: TrainArgs, config: ZeroConfig, out: TextIO,
+                         job: Job) -> tuple[Engine, Path]:
     """Restores the newest checkpoint that restores; damaged newer ones are set aside, each with one line.
 
-    The tier state is rebuilt from the checkpoint (cleared before each try).
+    The tier state is rebuilt from the checkpoint (cleared before each try: each process its own part).
+    Process 0 sets the damaged ones aside.
 
     Raises:
       CheckpointError: none restores (the message names each one and why).
@@ -211,7 +224,7 @@ def _restore_newest_good(ckpt: Path, args: TrainArgs, config: ZeroConfig, out: T
         if not is_complete(d):
             bad.append((d, f"no {META} (an interrupted or damaged save)"))
             continue
-        rundir.clear_tier_state(_nvme_paths(args, config))
+        rundir.clear_tier_state(_nvme_paths(args, config), process=job.index if job.count > 1 else None)
         _make_tier_dirs(args, config)
         try:
             engine = restore(d, ctor, **kw)
@@ -221,9 +234,9 @@ def _restore_newest_good(ckpt: Path, args: TrainArgs, config: ZeroConfig, out: T
             bad.append((d, f"{type(e).__name__}: {e}"))
             continue
         for b, why in bad:
-            moved = rundir.set_aside(b)
-            out.write(f"zinf-jax train: checkpoint {b.name} is unusable ({why}); resuming from {d.name} instead "
-                      f"(the bad one is moved to {moved.name})\n")
+            moved = rundir.set_aside(b) if job.primary else None
+            out.write(f"zinf-jax train: checkpoint {b.name} is unusable ({why}); resuming from {d.name} instead" +
+                      (f" (the bad one is moved to {moved.name})\n" if moved else "\n"))
         return engine, d
     raise CheckpointError(f"no usable checkpoint in {str(ckpt)!r}: " + "; ".join(f"{b.name}: {w}" for b, w in bad))
 
@@ -246,6 +259,7 @@ class _Run:
     engine: Engine
     ckpt: Path
     data_pos: int
+    job: Job
     saved: Path | None = None
     saved_step: int | None = None
     policy: policies.SaveDecisionPolicy | None = None  # when the loop saves (default: every args.save_every)
@@ -278,7 +292,8 @@ def _loop(run: _Run, log: TextIO, out: TextIO, stop: StopRequest, seed: int) -> 
                 jax.profiler.stop_trace()
                 tracing = False
             steps_run += 1
-            m = engine.train_step(batch_at(data, run.data_pos, args.batch, args.seq, seed))
+            m = engine.train_step(run.job.rows(batch_at(data, run.data_pos, args.batch, args.seq, seed)))
+            m["tokens_per_s"] *= run.job.count  # each process counts its own rows: the job's rate
             run.data_pos += 1
             m["data_step"] = run.data_pos
             m["bytes_host"], m["bytes_nvme"] = _tier_split(engine, m)
@@ -304,14 +319,15 @@ def _loop(run: _Run, log: TextIO, out: TextIO, stop: StopRequest, seed: int) -> 
         out.write(notice)
 
 
-def _start(args: TrainArgs, config: ZeroConfig, ckpt: Path, out: TextIO) -> _Run:
+def _start(args: TrainArgs, config: ZeroConfig, ckpt: Path, out: TextIO, job: Job) -> _Run:
     if args.resume:
-        engine, step_dir = _restore_newest_good(ckpt, args, config, out)
-        run = _Run(args=args, engine=engine, ckpt=ckpt, data_pos=int(engine.user_state.get("data_step", engine.step)))
+        engine, step_dir = _restore_newest_good(ckpt, args, config, out, job)
+        run = _Run(args=args, engine=engine, ckpt=ckpt, data_pos=int(engine.user_state.get("data_step", engine.step)),
+                   job=job)
         run.saved, run.saved_step = step_dir, engine.step
         return run
     ctor, kw = _engine_kwargs(args, config)
-    return _Run(args=args, engine=initialize(ctor, **kw), ckpt=ckpt, data_pos=0)
+    return _Run(args=args, engine=initialize(ctor, **kw), ckpt=ckpt, data_pos=0, job=job)
 
 
 def _summary(run: _Run, config: ZeroConfig, stop: StopRequest, t0: float) -> dict[str, Any]:
@@ -323,13 +339,14 @@ def _summary(run: _Run, config: ZeroConfig, stop: StopRequest, t0: float) -> dic
         "median_tokens_per_s": float(np.median(run.rates)) if run.rates else None,
         "wall_s": time.perf_counter() - t0, "checkpoint": str(run.saved) if run.saved else None,
         "tiers": {"param": config.offload_param.device, "optimizer": config.offload_optimizer.device},
-        "engine": run.engine.mode,
+        "engine": run.engine.mode, "processes": run.job.count,
     }
 
 
-def _report(summary: dict[str, Any], run_dir: Path, out: TextIO) -> None:
-    with open(run_dir / "summary.json", "w") as f:
-        json.dump(summary, f, indent=1)
+def _report(summary: dict[str, Any], run_dir: Path, out: TextIO, job: Job) -> None:
+    if job.primary:  # one summary per job
+        with open(run_dir / "summary.json", "w") as f:
+            json.dump(summary, f, indent=1)
     head = f"interrupted by {summary['signal']}" if summary["interrupted"] else "done"
     out.write(
         f"{head}: {summary['steps_run']} steps (now at step {summary['step']}, data position {summary['data_step']}), "
@@ -345,14 +362,23 @@ def _report(summary: dict[str, Any], run_dir: Path, out: TextIO) -> None:
             f"{summary['step']}; newest checkpoint: {summary['checkpoint'] or 'none'}")
 
 
-def _run_locked(args: TrainArgs, config: ZeroConfig, run_dir: Path, out: TextIO, stop: StopRequest) -> dict[str, Any]:
-    """Everything that happens with the run dir locked: clean-up, build, loop, save, report."""
+def _run_locked(args: TrainArgs, config: ZeroConfig, run_dir: Path, out: TextIO, stop: StopRequest,
+                job: Job) -> dict[str, Any]:
+    """Everything that happens with the run dir locked: clean-up, build, loop, save, report.
+
+    In a multi-process job, process 0 alone checks, clears and tidies the run dir (the others wait
+    for it and stop too if it refuses), and writes the metrics and the summary.
+    """
     ckpt = run_dir / "ckpt"
     own_tiers = [*_nvme_paths(args, config), str(run_dir / "nvme")]  # the default one too, whatever the tiers now
-    deleted = rundir.check_reuse(run_dir, own_tiers, resume=args.resume, overwrite=args.overwrite)
+
+    def tidy() -> tuple[list[str], list[str]]:
+        return (rundir.check_reuse(run_dir, own_tiers, resume=args.resume, overwrite=args.overwrite),
+                rundir.remove_stale(ckpt))
+
+    deleted, stale = job.on_primary(tidy, "the run dir checks") or ([], [])
     if deleted:
         out.write(f"zinf-jax train: --overwrite: deleted {', '.join(deleted)}\n")
-    stale = rundir.remove_stale(ckpt)
     if stale:
         out.write(f"zinf-jax train: removed {len(stale)} unfinished save(s) of an earlier run: {', '.join(stale)}\n")
     _make_tier_dirs(args, config)
@@ -364,9 +390,9 @@ def _run_locked(args: TrainArgs, config: ZeroConfig, run_dir: Path, out: TextIO,
     t0 = time.perf_counter()
     run = None
     try:
-        run = _start(args, config, ckpt, out)
+        run = _start(args, config, ckpt, out, job)
         stop.check("startup (after building the engine)")
-        with open(run_dir / "metrics.jsonl", "a") as log:
+        with open(job.metrics_path(), "a") as log:
             _loop(run, log, out, stop, config.seed)
         if stop.requested and not run.losses:
             stop.check("startup (before the first step)")
@@ -375,13 +401,14 @@ def _run_locked(args: TrainArgs, config: ZeroConfig, run_dir: Path, out: TextIO,
     except BaseException:
         if run is not None:
             close_quietly(run.engine)  # releases the tier locks; the error raised here is the one to report
-        if not args.resume and not (run and run.losses):  # a new run that never trained: leave no tier state
+        # a new run that never trained: leave no tier state (one process: the others' may be in use)
+        if not args.resume and not (run and run.losses) and job.count == 1:
             with contextlib.suppress(OSError, rundir.RunDirError):
                 rundir.clear_tier_state(_nvme_paths(args, config))
         raise
     run.engine.close()
     summary = _summary(run, config, stop, t0)
-    _report(summary, run_dir, out)
+    _report(summary, run_dir, out, job)
     return summary
 
 
@@ -426,8 +453,9 @@ def train(args: TrainArgs, *, out: TextIO | None = None, stop: StopRequest | Non
         stop.check("startup")
         run_dir = Path(args.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        with rundir.RunLock(run_dir):
-            return _run_locked(args, config, run_dir, out, stop)
+        job = Job(run_dir)
+        with rundir.RunLock(run_dir, job.lock_name), job.output(out) as mine:
+            return _run_locked(args, config, run_dir, mine, stop, job)
     finally:
         if own:
             stop.restore()

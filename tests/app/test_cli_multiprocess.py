@@ -1,0 +1,55 @@
+"""The main job launched as 4 processes of one job (a shell loop's way: the same flags, each its --process-id)."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+TINY = ["--steps", "4", "--d-model", "32", "--n-layers", "2", "--batch", "16", "--seq", "16", "--save-every", "2",
+        "--no-progress"]
+
+
+def _port():
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _job(run_dir, n, *extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    port = str(_port())
+    cmd = [sys.executable, "-m", "zinf_jax.app.cli", "train", "--run-dir", str(run_dir), *TINY, *extra]
+    if n > 1:
+        cmd += ["--coordinator", f"localhost:{port}", "--num-processes", str(n)]
+    procs = [subprocess.Popen(cmd + (["--process-id", str(i)] if n > 1 else []), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, env=env, text=True) for i in range(n)]
+    errs = []
+    for p in procs:
+        _, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-3000:]
+        errs.append(err)
+    return errs
+
+
+@pytest.mark.slow  # ~1 min: two 4-process jobs and two 1-process ones
+def test_four_process_cli_job_equals_one_process_and_resumes(tmp_path):
+    _job(tmp_path / "one", 1)
+    errs = _job(tmp_path / "four", 4)
+    one = json.loads((tmp_path / "one" / "summary.json").read_text())
+    four = json.loads((tmp_path / "four" / "summary.json").read_text())
+    assert four["processes"] == 4 and four["step"] == 4
+    np.testing.assert_allclose(four["final_loss"], one["final_loss"], rtol=1e-5)
+    # one metrics file and one progress report per job (process 0); the others log under logs/
+    assert len((tmp_path / "four" / "metrics.jsonl").read_text().splitlines()) == 4
+    assert "done: 4 steps" in errs[0]
+    assert sorted(os.listdir(tmp_path / "four" / "logs")) == ["process_1.log", "process_2.log", "process_3.log"]
+    assert "done: 4 steps" in (tmp_path / "four" / "logs" / "process_3.log").read_text()
+    _job(tmp_path / "one", 1, "--resume", "--steps", "6")
+    _job(tmp_path / "four", 4, "--resume", "--steps", "6")
+    one = json.loads((tmp_path / "one" / "summary.json").read_text())
+    four = json.loads((tmp_path / "four" / "summary.json").read_text())
+    assert four["step"] == one["step"] == 6
+    np.testing.assert_allclose(four["final_loss"], one["final_loss"], rtol=1e-5)
