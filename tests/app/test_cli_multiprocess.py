@@ -53,3 +53,40 @@ def test_four_process_cli_job_equals_one_process_and_resumes(tmp_path):
     four = json.loads((tmp_path / "four" / "summary.json").read_text())
     assert four["step"] == one["step"] == 6
     np.testing.assert_allclose(four["final_loss"], one["final_loss"], rtol=1e-5)
+
+
+@pytest.mark.slow  # ~1.5 min
+def test_a_killed_process_stops_the_others_within_the_peer_timeout_and_resume_continues(tmp_path):
+    """SIGKILL one of 4 processes mid-run: the other three exit non-zero within --peer-timeout (JAX's heartbeat
+    timeout) naming the lost one; all four restarted with --resume end where one uninterrupted process does."""
+    import signal
+    import time
+
+    flags = ["--steps", "30", "--save-every", "4", "--peer-timeout", "10"]
+    _job(tmp_path / "one", 1, *flags)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    cmd = [sys.executable, "-m", "zinf_jax.app.cli", "train", "--run-dir", str(tmp_path / "four"), *TINY, *flags,
+           "--coordinator", f"localhost:{_port()}", "--num-processes", "4"]
+    procs = [subprocess.Popen(cmd + ["--process-id", str(i)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=env, text=True) for i in range(4)]
+    metrics = tmp_path / "four" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 10):
+        time.sleep(0.2)
+    assert metrics.exists(), "the job never stepped"
+    procs[2].send_signal(signal.SIGKILL)
+    killed = time.time()
+    errs = {}
+    for i in (0, 1, 3):
+        _, errs[i] = procs[i].communicate(timeout=120)
+    took = time.time() - killed
+    procs[2].communicate()
+    assert all(procs[i].returncode not in (0, None) for i in (0, 1, 3)), [p.returncode for p in procs]
+    assert took <= 10 + 15, took  # the heartbeat timeout, plus the service's polling and the process exit
+    assert all("stopped sending heartbeats" in errs[i] and "\n2\n" in errs[i] for i in (0, 1, 3))
+    done = json.loads((tmp_path / "one" / "summary.json").read_text())
+    assert done["step"] == 30
+    _job(tmp_path / "four", 4, *flags, "--resume")
+    four = json.loads((tmp_path / "four" / "summary.json").read_text())
+    assert four["step"] == 30 and four["steps_run"] < 30
+    np.testing.assert_allclose(four["final_loss"], done["final_loss"], rtol=1e-6)

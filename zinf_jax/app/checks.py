@@ -30,6 +30,7 @@ _INTS = {
     "log_every": (1, "a positive integer (steps between progress lines when not on a terminal)"),
     "num_processes": (1, "a positive integer (processes in the job)"),
     "process_id": (0, "an integer >= 0 (this process's index in the job)"),
+    "peer_timeout": (1, "a positive integer (seconds)"),
 }
 # field -> (lowest allowed, the lowest excluded, what is allowed)
 _FLOATS = {

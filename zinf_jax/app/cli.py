@@ -231,7 +231,7 @@ def _train(a: argparse.Namespace, stop: StopRequest) -> int:
     if args.coordinator:
         from zinf_jax.app.job import start
 
-        start(args.coordinator, args.num_processes, args.process_id)
+        start(args.coordinator, args.num_processes, args.process_id, args.peer_timeout)
     stop.check("startup")
     summary = train(args, stop=stop)
     if summary["interrupted"]:

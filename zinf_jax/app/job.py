@@ -21,8 +21,11 @@ __all__ = ["start", "Job"]
 T = TypeVar("T")
 
 
-def start(coordinator: str, num_processes: int, process_id: int) -> None:
+def start(coordinator: str, num_processes: int, process_id: int, peer_timeout: int) -> None:
     """Joins the job: ``jax.distributed.initialize`` (``coordinator == "auto"``: from the cluster's environment).
+
+    ``peer_timeout`` is JAX's heartbeat timeout: a process that stops beating (killed, crashed) makes
+    the coordination service stop every other process that long after.
 
     Raises:
       OSError: the job cannot be joined (the coordinator is unreachable, a peer never came).
@@ -31,9 +34,10 @@ def start(coordinator: str, num_processes: int, process_id: int) -> None:
 
     try:
         if coordinator == "auto":
-            jax.distributed.initialize()
+            jax.distributed.initialize(heartbeat_timeout_seconds=peer_timeout)
         else:
-            jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+            jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id,
+                                       heartbeat_timeout_seconds=peer_timeout)
     except Exception as e:  # noqa: BLE001 - jax raises RuntimeError/ValueError/XlaRuntimeError by cause
         raise OSError(f"--coordinator {coordinator}: could not join the job as process {process_id} of "
                       f"{num_processes}: {e}") from e

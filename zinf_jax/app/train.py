@@ -19,6 +19,7 @@ import dataclasses
 import json
 import math
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -110,6 +111,9 @@ class TrainArgs:
         feeds its share of the rows.
       num_processes: processes in the job (with ``coordinator``).
       process_id: this process's index, 0 to ``num_processes - 1`` (with ``coordinator``).
+      peer_timeout: seconds until a lost process (killed, out of memory, crashed) stops the job's
+        others: JAX's heartbeat timeout (``jax.distributed``); they exit non-zero and JAX's log line
+        names the lost process; restart every process with ``--resume``.
     """
 
     steps: int = 150
@@ -144,6 +148,7 @@ class TrainArgs:
     coordinator: str = ""
     num_processes: int = 1
     process_id: int = 0
+    peer_timeout: int = 60
 
 
 def build_config(args: TrainArgs) -> ZeroConfig:
@@ -455,6 +460,9 @@ def train(args: TrainArgs, *, out: TextIO | None = None, stop: StopRequest | Non
         run_dir.mkdir(parents=True, exist_ok=True)
         job = Job(run_dir)
         with rundir.RunLock(run_dir, job.lock_name), job.output(out) as mine:
+            if job.count > 1:
+                mine.write(f"zinf-jax train: process {job.index} of {job.count} (host {socket.gethostname()}); "
+                           f"if one is lost the others stop within --peer-timeout {args.peer_timeout} s\n")
             return _run_locked(args, config, run_dir, mine, stop, job)
     finally:
         if own:
