@@ -90,3 +90,47 @@ def test_a_killed_process_stops_the_others_within_the_peer_timeout_and_resume_co
     four = json.loads((tmp_path / "four" / "summary.json").read_text())
     assert four["step"] == 30 and four["steps_run"] < 30
     np.testing.assert_allclose(four["final_loss"], done["final_loss"], rtol=1e-6)
+
+
+def _start_four(run_dir, *flags):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    cmd = [sys.executable, "-m", "zinf_jax.app.cli", "train", "--run-dir", str(run_dir), *TINY, *flags,
+           "--coordinator", f"localhost:{_port()}", "--num-processes", "4"]
+    return [subprocess.Popen(cmd + ["--process-id", str(i)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env=env, text=True) for i in range(4)]
+
+
+def _wait_for_steps(run_dir, n, timeout=300):
+    import time
+
+    metrics, deadline = run_dir / "metrics.jsonl", time.time() + timeout
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < n):
+        time.sleep(0.2)
+    assert metrics.exists(), "the job never stepped"
+
+
+@pytest.mark.slow  # ~1.5 min
+@pytest.mark.parametrize("sig, own_code", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_a_signal_to_one_process_stops_all_at_one_step_with_one_checkpoint(tmp_path, sig, own_code):
+    """SIGTERM (or SIGINT) to process 1 of 4: JAX's preemption service makes all four stop after the same step
+    and save it together; all exit 143 (the signalled one 130 for SIGINT); --resume ends at the uninterrupted
+    loss."""
+    import signal
+
+    flags = ["--steps", "30", "--save-every", "0"]
+    _job(tmp_path / "one", 1, *flags)
+    procs = _start_four(tmp_path / "four", *flags)
+    _wait_for_steps(tmp_path / "four", 8)
+    procs[1].send_signal(getattr(signal, sig))
+    errs = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [143, own_code, 143, 143], [e[-2000:] for e in errs]
+    four = json.loads((tmp_path / "four" / "summary.json").read_text())
+    assert four["interrupted"] and 8 <= four["step"] < 30
+    steps = sorted(p.name for p in (tmp_path / "four" / "ckpt").iterdir())
+    assert steps == [f"step_{four['step']:08d}"]  # one checkpoint, of the step they agreed on, complete
+    assert (tmp_path / "four" / "ckpt" / steps[0] / "zinf_meta.json").exists()  # written last: complete
+    _job(tmp_path / "four", 4, *flags, "--resume")
+    four = json.loads((tmp_path / "four" / "summary.json").read_text())
+    one = json.loads((tmp_path / "one" / "summary.json").read_text())
+    assert four["step"] == one["step"] == 30
+    np.testing.assert_allclose(four["final_loss"], one["final_loss"], rtol=1e-6)

@@ -70,6 +70,13 @@ class StopRequest:
         if self.signum is not None:
             raise Interrupted(self.signum, where)
 
+    def request(self, signum: int, why: str) -> None:
+        """Records a stop that came another way (another process's signal, agreed on by the job): ``why`` says so."""
+        if self.signum is None:
+            self.signum = signum
+            self._noticed = True
+            self._write(f"\n{signal.Signals(signum).name} {why}: stopping after this step, with a checkpoint\n")
+
     def take_notice(self) -> str | None:
         """The one-line notice, once, if a signal came and the handler could not write it."""
         if self.signum is None or self._noticed:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 from pathlib import Path
-from typing import Callable, Iterator, TextIO, TypeVar
+from typing import Any, Callable, Iterator, TextIO, TypeVar
 
 import numpy as np
 
@@ -54,6 +55,7 @@ class Job:
         self.procs = Procs("zinf-train")
         self.count, self.index, self.primary = self.procs.count, self.procs.index, self.procs.primary
         self.run_dir = Path(run_dir)
+        self._forwarded = False
 
     @property
     def lock_name(self) -> str:
@@ -70,6 +72,25 @@ class Job:
         logs.mkdir(exist_ok=True)
         with open(logs / f"process_{self.index}.log", "a") as f:
             yield f
+
+    def agreed_stop(self, position: int, stop: Any) -> bool:
+        """Whether the job stops after this step for a signal to any of its processes (every process, every step).
+
+        JAX's preemption service (``multihost_utils.reached_preemption_sync_point``, as orbax's
+        preemption checkpointing uses it) takes SIGTERM on whichever process gets it and makes every
+        process return True at the same ``position`` (here the data position, which grows every step).
+        A SIGINT or SIGHUP this process's handler recorded is sent on as SIGTERM to that service;
+        the process keeps its own exit status (130 for SIGINT), the others take 143.
+        """
+        from jax.experimental import multihost_utils
+
+        if stop.requested and not self._forwarded:
+            self._forwarded = True
+            os.kill(os.getpid(), signal.SIGTERM)
+        if not multihost_utils.reached_preemption_sync_point(position):
+            return False
+        stop.request(signal.SIGTERM, "to a process of the job")
+        return True
 
     def metrics_path(self) -> str:
         """The job's metrics file (process 0's); the others write none."""

@@ -268,6 +268,7 @@ class _Run:
     saved: Path | None = None
     saved_step: int | None = None
     policy: policies.SaveDecisionPolicy | None = None  # when the loop saves (default: every args.save_every)
+    agreed_stop: bool = False  # a multi-process job agreed to stop for a signal (see Job.agreed_stop)
     losses: list[float] = dataclasses.field(default_factory=list)
     rates: list[float] = dataclasses.field(default_factory=list)
     nonfinite_in_a_row: int = 0
@@ -289,7 +290,7 @@ def _loop(run: _Run, log: TextIO, out: TextIO, stop: StopRequest, seed: int) -> 
     metrics = MetricsLog(log, args.tensorboard)
     tracing, steps_run = False, 0
     try:
-        while engine.step < args.steps and not stop.requested:
+        while engine.step < args.steps and not (run.agreed_stop if run.job.count > 1 else stop.requested):
             if args.profile and steps_run == PROFILE_STEPS.start:  # after the first step's compiles
                 jax.profiler.start_trace(args.profile)
                 tracing = True
@@ -308,6 +309,8 @@ def _loop(run: _Run, log: TextIO, out: TextIO, stop: StopRequest, seed: int) -> 
             bar.update(engine.step, m)
             if not m["skipped"] and policies.should_save(run.policy, engine.step):
                 run.save()
+            if run.job.count > 1:  # one process's signal stops every process after the same step
+                run.agreed_stop = run.job.agreed_stop(run.data_pos, stop)
             run.nonfinite_in_a_row = 0 if math.isfinite(m["loss"]) else run.nonfinite_in_a_row + 1
             if run.nonfinite_in_a_row >= MAX_NONFINITE_IN_A_ROW:
                 break
