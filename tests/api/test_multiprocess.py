@@ -70,6 +70,9 @@ def test_two_processes_match_single_process(tmp_path):
     man = json.loads((tmp_path / "nvme" / "optimizer" / "process_1" / "MANIFEST.json").read_text())
     sharded = [v["local"] for v in man["keys"].values() if v["spec"]["num_shards"] == 8]
     assert sharded and all(loc == [4, 5, 6, 7] for loc in sharded)  # only its addressable shards
+    from zinf_jax.app.inspect import inspect_dir
+    text = inspect_dir(tmp_path / "nvme")
+    assert "optimizer: 2 processes; every shard of its" in text and "held by exactly one of them" in text
     assert outs[0]["losses"] == outs[1]["losses"]
     np.testing.assert_allclose(outs[0]["losses"], _single("nvme"), rtol=1e-5)
 

@@ -47,6 +47,8 @@ def test_four_process_cli_job_equals_one_process_and_resumes(tmp_path):
     assert "done: 4 steps" in errs[0]
     assert sorted(os.listdir(tmp_path / "four" / "logs")) == ["process_1.log", "process_2.log", "process_3.log"]
     assert "done: 4 steps" in (tmp_path / "four" / "logs" / "process_3.log").read_text()
+    from zinf_jax.app.inspect import inspect_dir
+    assert "4 processes; every shard of its" in inspect_dir(tmp_path / "four" / "nvme" / "optimizer")
     _job(tmp_path / "one", 1, "--resume", "--steps", "6")
     _job(tmp_path / "four", 4, "--resume", "--steps", "6")
     one = json.loads((tmp_path / "one" / "summary.json").read_text())

@@ -72,7 +72,32 @@ def describe_tier(tier_dir: Path) -> str:
                    f"{total:,} committed bytes, metadata {meta}\n" + (_table(rows) if len(rows) > 1 else ""))
     if not out:
         raise CheckpointError(f"{str(tier_dir)!r} holds neither a zinf_jax checkpoint nor an nvme tier")
-    return "\n\n".join(out)
+    return "\n\n".join(out + _coverage(sorted(tier_dir.rglob(MANIFEST))))
+
+
+def _coverage(manifests: list[Path]) -> list[str]:
+    """Per tier held by several processes (a multi-process job's ``process_<I>`` parts): whether every shard
+    of every sharded key is held by exactly one of them."""
+    by_root: dict[Path, list[dict]] = {}
+    for m in manifests:
+        by_root.setdefault(m.parent.parent, []).append(read_manifest(m.parent))
+    lines = []
+    for root, mans in by_root.items():
+        if len(mans) < 2:
+            continue
+        held: dict[str, list[int]] = {}
+        total: dict[str, int] = {}
+        for man in mans:
+            for key, v in man["keys"].items():
+                n = ShardSpec.from_json(v["spec"]).num_shards
+                if n > 1:
+                    total[key] = n
+                    held.setdefault(key, []).extend(v["local"])
+        bad = [f"{k} (held: {sorted(h)} of {total[k]})" for k, h in held.items() if sorted(h) != list(range(total[k]))]
+        lines.append(f"{root}: {len(mans)} processes; " + (
+            f"every shard of its {len(held)} sharded keys is held by exactly one of them" if not bad else
+            f"shards missing or held twice: {'; '.join(bad[:5])}" + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")))
+    return lines
 
 
 def inspect_dir(directory: str | os.PathLike) -> str:
