@@ -174,6 +174,29 @@ def test_init_unit_by_unit_equals_eager_bitwise(batch_bytes):
         assert got.tobytes() == eager[path].tobytes(), path
 
 
+def test_init_compiles_alike_blocks_once():
+    """One program per unit batch, but alike batches (identical blocks: their RNG counters and keys enter as
+    arguments) share one compilation: init compiles as much for 8 blocks as for 2."""
+    import jax.monitoring
+
+    def compiles(n_layers):
+        ad = nnx_adapter(gpt_ctor(n_layers), THRESHOLD)
+        count = [0]
+
+        def listen(event, duration, **kw):
+            if event == "/jax/core/compile/backend_compile_duration":
+                count[0] += 1
+
+        jax.monitoring.register_event_duration_secs_listener(listen)
+        try:
+            build(ad, "cpu", threshold=THRESHOLD, init_batch_bytes=0)  # a batch per unit
+        finally:
+            jax.monitoring.unregister_event_duration_listener(listen)
+        return count[0]
+
+    assert compiles(8) == compiles(2)
+
+
 def test_bfloat16_compute_float32_grads(gpt_reference):
     ref_loss, ref_grads = gpt_reference
     ad = nnx_adapter(gpt_ctor(), THRESHOLD)

@@ -96,7 +96,8 @@ def _coverage(manifests: list[Path]) -> list[str]:
         bad = [f"{k} (held: {sorted(h)} of {total[k]})" for k, h in held.items() if sorted(h) != list(range(total[k]))]
         lines.append(f"{root}: {len(mans)} processes; " + (
             f"every shard of its {len(held)} sharded keys is held by exactly one of them" if not bad else
-            f"shards missing or held twice: {'; '.join(bad[:5])}" + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")))
+            f"shards missing or held twice: {'; '.join(bad[:5])}"
+            + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")))
     return lines
 
 

@@ -140,6 +140,15 @@ def exact_jit_call(fn: Callable[[], Any], out_shardings: Any) -> Any:
     return jax.jit(fn, out_shardings=out_shardings).lower().compile(compiler_options=_EXACT)()
 
 
+def _info(what: str, ins: Sequence[Any], outs: Sequence[Any]) -> Any:
+    return jax_private.DebugInfo("zinf_jax init", what, tuple(f"in{i}" for i in range(len(ins))),
+                                 tuple(f"out{i}" for i in range(len(outs))))
+
+
+def _is_scalar(v: Any) -> bool:
+    return isinstance(v, jax_private.Literal) or tuple(getattr(v.aval, "shape", (None,))) == ()
+
+
 class InitTrace:
     """A model's initialisers traced once, then cut down to each batch of parameters and compiled alone.
 
@@ -149,6 +158,10 @@ class InitTrace:
     parameters depend on (dead-code elimination), so each program is as small
     as its units and init time grows linearly in depth. The equations are the
     constructor's own, so the values are bitwise those of eager construction.
+
+    The scalar equations (the RNG streams' counters and keys, a chain through the whole model) are
+    evaluated once, eagerly, and enter each batch's program as arguments: the programs of alike
+    batches (a model's identical blocks) are then the same program, compiled once.
 
     Args:
       values: ``values() -> {path: array}``, every parameter of the constructed model.
@@ -164,6 +177,22 @@ class InitTrace:
         closed = jax.make_jaxpr(all_values)()
         self._jaxpr = jax_private.convert_constvars_jaxpr(closed.jaxpr)  # constants become leading inputs
         self._consts = list(closed.consts)
+        self._scalars = self._eval_scalars()
+        self._compiled: dict[str, Any] = {}  # lowered program text -> compiled
+
+    def _eval_scalars(self) -> dict[Any, Any]:
+        """The values of every equation whose inputs and outputs are all scalars, computed eagerly."""
+        known = {v: c for v, c in zip(self._jaxpr.invars, self._consts) if _is_scalar(v)}
+        for eqn in self._jaxpr.eqns:
+            if eqn.effects or not all(_is_scalar(v) for v in [*eqn.invars, *eqn.outvars]):
+                continue
+            if not all(isinstance(v, jax_private.Literal) or v in known for v in eqn.invars):
+                continue
+            ins = [v for v in eqn.invars if not isinstance(v, jax_private.Literal)]
+            one = jax_private.Jaxpr([], ins, list(eqn.outvars), [eqn], eqn.effects,
+                                    debug_info=_info("scalar", ins, eqn.outvars))
+            known.update(zip(eqn.outvars, jax_private.eval_jaxpr(one, [], *[known[v] for v in ins])))
+        return known
 
     def run(self, paths: Sequence[str], transform: Callable[[str, Any], Any], shardings: Sequence[Any]) -> list[Any]:
         """``transform(path, value)`` of ``paths``, computed by one compiled program, placed with ``shardings``."""
@@ -173,13 +202,29 @@ class InitTrace:
             used[i] = True
         jaxpr, used_in = jax_private.dce_jaxpr(self._jaxpr, used)
         consts = [c for c, u in zip(self._consts, used_in) if u]
+        env = dict(zip(jaxpr.invars, consts))
+        eqns = [e for e in jaxpr.eqns if not all(v in self._scalars for v in e.outvars)]
+        lifted = list(dict.fromkeys(v for e in eqns for v in e.invars
+                                    if not isinstance(v, jax_private.Literal) and v in self._scalars
+                                    and v not in env))
+        lifted += [v for v in dict.fromkeys(jaxpr.outvars) if isinstance(v, jax_private.Var) and v in self._scalars
+                   and v not in env and v not in lifted]
+        ins = [*jaxpr.invars, *lifted]
+        body = jax_private.Jaxpr([], ins, list(jaxpr.outvars), eqns, jaxpr.effects,
+                                 debug_info=_info("batch", ins, jaxpr.outvars))
+        args = [*consts, *[self._scalars[v] for v in lifted]]
         pos = {i: k for k, i in enumerate(sorted(set(want)))}  # the kept outputs stay in their order
 
-        def f():
-            outs = jax_private.eval_jaxpr(jaxpr, [], *consts)
+        def f(*xs):
+            outs = jax_private.eval_jaxpr(body, [], *xs)
             return [transform(p, outs[pos[i]]) for p, i in zip(paths, want)]
 
-        return exact_jit_call(f, list(shardings))
+        lowered = jax.jit(f, out_shardings=list(shardings)).lower(*args)
+        text = lowered.as_text()
+        compiled = self._compiled.get(text)
+        if compiled is None:
+            compiled = self._compiled[text] = lowered.compile(compiler_options=_EXACT)
+        return compiled(*args)
 
 
 def kp_tuple(kp: Sequence[Any]) -> tuple[Any, ...]:

@@ -249,7 +249,8 @@ class CompiledModel:
         in_stack = {p for paths in stacks for p in paths}
         hit = self._slots[traced.program] = _Slots(
             runs, tuple(stacks), run_stacks,
-            (*[p for p in self._train_paths if p not in in_stack], *[g for g, ps in enumerate(stacks) if ps[0] in trained]),
+            (*[p for p in self._train_paths if p not in in_stack],
+             *[g for g, ps in enumerate(stacks) if ps[0] in trained]),
             (*[p for p in self._frozen_paths if p not in in_stack],
              *[g for g, ps in enumerate(stacks) if ps[0] not in trained]))
         return hit
@@ -314,7 +315,8 @@ class CompiledModel:
         return jax.device_put(g, NamedSharding(self.mesh, spec, memory_kind=kind))
 
     def _train_program(self, traced: Traced, slots: _Slots, has_aux: bool) -> Callable:
-        loss_of, called = self._loss_fn(traced, slots, True, True), list(dict.fromkeys(c.uid for c in traced.program.calls))
+        loss_of = self._loss_fn(traced, slots, True, True)
+        called = list(dict.fromkeys(c.uid for c in traced.program.calls))
 
         def step(trained, glue, frozen, rest, scale):
             def f(t, g):
