@@ -207,8 +207,8 @@ class InitTrace:
         lifted = list(dict.fromkeys(v for e in eqns for v in e.invars
                                     if not isinstance(v, jax_private.Literal) and v in self._scalars
                                     and v not in env))
-        lifted += [v for v in dict.fromkeys(jaxpr.outvars) if isinstance(v, jax_private.Var) and v in self._scalars
-                   and v not in env and v not in lifted]
+        lifted += [v for v in dict.fromkeys(v for v in jaxpr.outvars if not isinstance(v, jax_private.Literal))
+                   if v in self._scalars and v not in env and v not in lifted]
         ins = [*jaxpr.invars, *lifted]
         body = jax_private.Jaxpr([], ins, list(jaxpr.outvars), eqns, jaxpr.effects,
                                  debug_info=_info("batch", ins, jaxpr.outvars))
