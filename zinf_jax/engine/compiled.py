@@ -398,9 +398,9 @@ class CompiledModel:
             return hit[1]
         lay = self.store.layouts[paths[0]]
         if self._raw_stack(paths[0]):
-            futs = [{i: self.store.read_local(p, i) for i in self.store.local_indices(p)} for p in paths]
+            shards = self.store.read_shards(paths)
             stack = (lambda xs: np.stack([np.asarray(x) for x in xs])) if self.host_params else jnp.stack
-            bufs = {i: stack([f[i].result() for f in futs]) for i in futs[0]}
+            bufs = {i: stack([s[i] for s in shards]) for i in shards[0]}
             kind = "pinned_host" if self.host_params else None
             out = assemble_many([stacked_layout(lay, len(paths))], self.mesh, [bufs], memory_kind=kind)[0]
         else:

@@ -126,9 +126,18 @@ class ParamStore:
         Raises:
           TierError: a shard cannot be read.
         """
-        futs = {p: {i: self.read_local(p, i) for i in self.local_indices(p)} for p in paths}
-        shards = [{i: f.result() for i, f in futs[p].items()} for p in paths]
-        return assemble_many([self.layouts[p] for p in paths], self.mesh, shards, memory_kind=memory_kind)
+        return assemble_many([self.layouts[p] for p in paths], self.mesh, self.read_shards(paths),
+                             memory_kind=memory_kind)
+
+    def read_shards(self, paths: Sequence[str]) -> list[dict[int, object]]:
+        """This process's shards of ``paths`` as stored (``{index: host or device array}`` per path), all read
+        concurrently.
+
+        Raises:
+          TierError: a shard cannot be read.
+        """
+        futs = [{i: self.read_local(p, i) for i in self.local_indices(p)} for p in paths]
+        return [{i: f.result() for i, f in fs.items()} for fs in futs]
 
     def sharding(self, path: str) -> NamedSharding:
         """Sharding of the stored form of ``path``."""
