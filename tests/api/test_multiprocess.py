@@ -1,10 +1,6 @@
 """A real 2-process jax.distributed job on CPU: each process stores only its own shards, and the
 losses equal the single-process run on the same 8 devices."""
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,31 +8,17 @@ import pytest
 from flax import nnx
 
 import zinf_jax as zinf
+from helpers.procs import WORKERS, free_port, job_env, last_json, start
 from zinf_jax.models import GPT, GPTConfig, batch_at, corpus, lm_loss
 
-HERE = os.path.dirname(__file__)
 STEPS = 3
 
 
-def _port():
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _run_two(tmp_path, tiers):
-    port = str(_port())
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    port = str(free_port())
     (tmp_path / "nvme").mkdir()
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "..", "workers", "mp_worker.py"), str(i), "2", port,
-                               str(tmp_path / "nvme"), str(STEPS), tiers], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, env=env, text=True) for i in range(2)]
-    outs = []
-    for p in procs:
-        out, err = p.communicate(timeout=400)
-        assert p.returncode == 0, err[-3000:]
-        outs.append(json.loads(out.strip().splitlines()[-1]))
-    return outs
+    return last_json(start([[str(WORKERS / "mp_worker.py"), str(i), "2", port, str(tmp_path / "nvme"), str(STEPS),
+                             tiers] for i in range(2)], job_env()))
 
 
 def _single(tiers):
@@ -95,21 +77,11 @@ FOUR_STEPS, FOUR_SAVE_AT = 6, 3
 @pytest.fixture(scope="module")
 def four_processes(tmp_path_factory):
     """A 4-process x 2-device job, each process with its own nvme directory: (per-process results, its dir)."""
-    import jax
-
     work = tmp_path_factory.mktemp("four")
-    port = str(_port())
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
-    env["ZINF_TEST_JAX_CACHE"] = jax.config.jax_compilation_cache_dir or ""
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "..", "workers", "mp4_worker.py"), str(i), "4", port,
-                               str(work), str(FOUR_STEPS), str(FOUR_SAVE_AT)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, env=env, text=True) for i in range(4)]
-    outs = []
-    for p in procs:
-        out, err = p.communicate(timeout=600)
-        assert p.returncode == 0, err[-3000:]
-        outs.append(json.loads(out.strip().splitlines()[-1]))
-    return outs, work
+    port = str(free_port())
+    argvs = [[str(WORKERS / "mp4_worker.py"), str(i), "4", port, str(work), str(FOUR_STEPS), str(FOUR_SAVE_AT)]
+             for i in range(4)]
+    return last_json(start(argvs, job_env(jax_cache=True)), timeout=600), work
 
 
 def test_four_processes_with_their_own_nvme_match_one_and_restore_on_one(four_processes, tmp_path):
@@ -172,15 +144,8 @@ def test_a_four_process_checkpoint_restores_on_two_processes(four_processes, tmp
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     shutil.copytree(work / "ckpt" / f"step_{FOUR_SAVE_AT:08d}", ckpt / f"step_{FOUR_SAVE_AT:08d}")
-    port = str(_port())
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "..", "workers", "mp_ckpt_worker.py"), str(i), "2",
-                               port, str(ckpt), "restore"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                              text=True) for i in range(2)]
-    res = []
-    for p in procs:
-        out, err = p.communicate(timeout=400)
-        assert p.returncode == 0, err[-3000:]
-        res.append(json.loads(out.strip().splitlines()[-1]))
+    port = str(free_port())
+    res = last_json(start([[str(WORKERS / "mp_ckpt_worker.py"), str(i), "2", port, str(ckpt), "restore"]
+                           for i in range(2)], job_env()))
     assert [r["step"] for r in res] == [FOUR_SAVE_AT] * 2
     np.testing.assert_allclose([r["loss2"] for r in res], [outs[0]["losses"][FOUR_SAVE_AT]] * 2, rtol=1e-6)

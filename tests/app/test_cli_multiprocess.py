@@ -1,37 +1,28 @@
 """The main job launched as 4 processes of one job (a shell loop's way: the same flags, each its --process-id)."""
 import json
 import os
-import socket
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+
+from helpers.procs import finish, free_port, job_env, start
 
 TINY = ["--steps", "4", "--d-model", "32", "--n-layers", "2", "--batch", "16", "--seq", "16", "--save-every", "2",
         "--no-progress"]
 
 
-def _port():
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
+def _start(run_dir, n, *flags):
+    """``zinf-jax train`` as an ``n``-process job (one plain process for ``n == 1``), started."""
+    cmd = ["-m", "zinf_jax.app.cli", "train", "--run-dir", str(run_dir), *TINY, *flags]
+    if n == 1:
+        return start([cmd], job_env())
+    cmd += ["--coordinator", f"localhost:{free_port()}", "--num-processes", str(n)]
+    return start([cmd + ["--process-id", str(i)] for i in range(n)], job_env())
 
 
-def _job(run_dir, n, *extra):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
-    port = str(_port())
-    cmd = [sys.executable, "-m", "zinf_jax.app.cli", "train", "--run-dir", str(run_dir), *TINY, *extra]
-    if n > 1:
-        cmd += ["--coordinator", f"localhost:{port}", "--num-processes", str(n)]
-    procs = [subprocess.Popen(cmd + (["--process-id", str(i)] if n > 1 else []), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, env=env, text=True) for i in range(n)]
-    errs = []
-    for p in procs:
-        _, err = p.communicate(timeout=600)
-        assert p.returncode == 0, err[-3000:]
-        errs.append(err)
-    return errs
+def _job(run_dir, n, *flags):
+    """The job run to its end (every process exits 0); each process's stderr."""
+    return [err for _, err in finish(_start(run_dir, n, *flags), timeout=600)]
 
 
 @pytest.mark.slow  # ~1 min: two 4-process jobs and two 1-process ones
@@ -66,16 +57,8 @@ def test_a_killed_process_stops_the_others_within_the_peer_timeout_and_resume_co
 
     flags = ["--steps", "30", "--save-every", "4", "--peer-timeout", "10"]
     _job(tmp_path / "one", 1, *flags)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
-    cmd = [sys.executable, "-m", "zinf_jax.app.cli", "train", "--run-dir", str(tmp_path / "four"), *TINY, *flags,
-           "--coordinator", f"localhost:{_port()}", "--num-processes", "4"]
-    procs = [subprocess.Popen(cmd + ["--process-id", str(i)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env=env, text=True) for i in range(4)]
-    metrics = tmp_path / "four" / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 10):
-        time.sleep(0.2)
-    assert metrics.exists(), "the job never stepped"
+    procs = _start(tmp_path / "four", 4, *flags)
+    _wait_for_steps(tmp_path / "four", 10)
     procs[2].send_signal(signal.SIGKILL)
     killed = time.time()
     errs = {}
@@ -85,7 +68,8 @@ def test_a_killed_process_stops_the_others_within_the_peer_timeout_and_resume_co
     procs[2].communicate()
     assert all(procs[i].returncode not in (0, None) for i in (0, 1, 3)), [p.returncode for p in procs]
     assert took <= 10 + 15, took  # the heartbeat timeout, plus the service's polling and the process exit
-    assert all("stopped sending heartbeats" in errs[i] and "\n2\n" in errs[i] for i in (0, 1, 3))
+    assert all("stopped sending heartbeats" in errs[i] and "\n2\n" in errs[i] for i in (0, 1, 3)), \
+        [errs[i][-1500:] for i in (0, 1, 3)]
     done = json.loads((tmp_path / "one" / "summary.json").read_text())
     assert done["step"] == 30
     _job(tmp_path / "four", 4, *flags, "--resume")
@@ -94,15 +78,8 @@ def test_a_killed_process_stops_the_others_within_the_peer_timeout_and_resume_co
     np.testing.assert_allclose(four["final_loss"], done["final_loss"], rtol=1e-6)
 
 
-def _start_four(run_dir, *flags):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
-    cmd = [sys.executable, "-m", "zinf_jax.app.cli", "train", "--run-dir", str(run_dir), *TINY, *flags,
-           "--coordinator", f"localhost:{_port()}", "--num-processes", "4"]
-    return [subprocess.Popen(cmd + ["--process-id", str(i)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             env=env, text=True) for i in range(4)]
-
-
 def _wait_for_steps(run_dir, n, timeout=300):
+    """Until the job's metrics file holds ``n`` steps."""
     import time
 
     metrics, deadline = run_dir / "metrics.jsonl", time.time() + timeout
@@ -121,7 +98,7 @@ def test_a_signal_to_one_process_stops_all_at_one_step_with_one_checkpoint(tmp_p
 
     flags = ["--steps", "30", "--save-every", "0"]
     _job(tmp_path / "one", 1, *flags)
-    procs = _start_four(tmp_path / "four", *flags)
+    procs = _start(tmp_path / "four", 4, *flags)
     _wait_for_steps(tmp_path / "four", 8)
     procs[1].send_signal(getattr(signal, sig))
     errs = [p.communicate(timeout=300)[1] for p in procs]

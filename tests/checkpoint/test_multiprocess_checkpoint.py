@@ -5,51 +5,30 @@ into place; every process writes its own shards. A checkpoint restores bitwise o
 and a SIGKILL of one process mid-save leaves the previous checkpoint intact and no half step directory.
 """
 import json
-import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 
-import jax
 import numpy as np
 import pytest
 from flax import nnx
 
 import zinf_jax as zinf
+from helpers.procs import WORKERS, free_port, job_env, last_json, start
 from zinf_jax.models import GPT, GPTConfig, batch_at, corpus, lm_loss
 from zinf_jax.checkpoint.state import TrainingState
 
-HERE = os.path.dirname(__file__)
 CFG = GPTConfig(vocab=256, d_model=32, n_heads=4, n_layers=2, seq=16)
 KW = dict(config=zinf.ZeroConfig(offload_param=zinf.Offload("cpu"), offload_optimizer=zinf.Offload("cpu"),
                                  persistence_threshold=600),
           optimizer=zinf.adamw(3e-3, weight_decay=0.1, clip_norm=1.0), loss_fn=lm_loss)
 
 
-def _port():
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _start(ckpt, mode, *extra):
-    port = str(_port())
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
-    env["ZINF_TEST_JAX_CACHE"] = jax.config.jax_compilation_cache_dir or ""
-    return [subprocess.Popen([sys.executable, os.path.join(HERE, "..", "workers", "mp_ckpt_worker.py"), str(i), "2", port, str(ckpt),
-                              mode, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
-            for i in range(2)]
+    port = str(free_port())
+    return start([[str(WORKERS / "mp_ckpt_worker.py"), str(i), "2", port, str(ckpt), mode, *extra] for i in range(2)],
+                 job_env(jax_cache=True))
 
-
-def _results(procs, timeout=400):
-    outs = []
-    for p in procs:
-        out, err = p.communicate(timeout=timeout)
-        assert p.returncode == 0, err[-3000:]
-        outs.append(json.loads(out.strip().splitlines()[-1]))
-    return outs
 
 
 def _union(outs, key="digest"):
@@ -77,7 +56,7 @@ def _one_process_restore(ckpt):
 @pytest.mark.slow  # ~20-40 s; the default suite keeps tests/test_multiprocess.py
 def test_two_processes_save_and_restore(tmp_path):
     ckpt = tmp_path / "ckpt"
-    outs = _results(_start(ckpt, "save"))
+    outs = last_json(_start(ckpt, "save"))
     step_dir = ckpt / "step_00000001"
     assert sorted(p.name for p in ckpt.iterdir()) == ["step_00000001"]  # no .tmp_* left, one step dir
     # every process wrote its own shards into the same group directories; one table of checksums
@@ -123,7 +102,7 @@ def test_sigkill_of_one_process_mid_save_keeps_the_previous_checkpoint(tmp_path)
     assert not (ckpt / "step_00000002").exists()
 
     # the previous checkpoint is intact: restored on 2 x 4 and on 1 x 8, bitwise, with the next loss
-    outs = _results(_start(ckpt, "restore"))
+    outs = last_json(_start(ckpt, "restore"))
     assert [o["step"] for o in outs] == [1, 1] and outs[0]["user_state"] == {"data_step": 1}
     assert _union(outs) == _union(before)  # what each process held right after saving step 1
     assert [o["loss2"] for o in outs] == [b["loss2"] for b in before]  # the uninterrupted run's next loss

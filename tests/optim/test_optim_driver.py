@@ -106,9 +106,9 @@ def _make_tier(kind, path):
     return CpuTier(memory="numpy") if kind == "cpu" else NvmeTier(path, process_index=0)
 
 
-def _driver(tier, layouts, sgs, params=None, **kw):
-    opt = StreamedAdam(_spec(), tier, layouts, local_indices=lambda p: list(range(layouts[p].num_shards)),
-                       sub_group_size=sgs, **kw)
+def _driver(tier, layouts, sgs, params=None, spec=None, **kw):
+    opt = StreamedAdam(_spec() if spec is None else spec, tier, layouts,
+                       local_indices=lambda p: list(range(layouts[p].num_shards)), sub_group_size=sgs, **kw)
     opt.declare()
     if params is not None:
         for p, full in params.items():
@@ -388,12 +388,7 @@ def test_optax_rule_matches_optax_with_padded_chunks(tmp_path, layouts, name):
     params = _init_params()
     grads = [_grads(t) for t in range(10)]
     p = _optax(grads, params, OPTAX_RULES[name]())
-    opt = StreamedAdam(OPTAX_RULES[name](), NvmeTier(tmp_path, process_index=0), layouts,
-                       local_indices=lambda q: list(range(layouts[q].num_shards)), sub_group_size=SMALL)
-    opt.declare()
-    for q, full in params.items():
-        for i, shard in _split(layouts[q], full).items():
-            opt.init_shard(q, i, shard)
+    opt = _driver(NvmeTier(tmp_path, process_index=0), layouts, SMALL, params, spec=OPTAX_RULES[name]())
     for g in grads:
         _step(opt, layouts, g, _Writes())
     got = _masters(opt, layouts)
@@ -447,12 +442,7 @@ def test_optax_rule_compiles_once_per_distinct_program_and_keeps_path_masks(tmp_
     params = {p: rng.uniform(0.5, 1.5, s).astype(np.float32) for p, s in shapes.items()}
     grads = [{p: rng.standard_normal(s).astype(np.float32) for p, s in shapes.items()} for _ in range(3)]
     ref = _optax(grads, params, _nest_tx(tx()))
-    opt = StreamedAdam(tx(), CpuTier(memory="numpy"), lays, local_indices=lambda q: list(range(lays[q].num_shards)),
-                       sub_group_size=LARGE)
-    opt.declare()
-    for q, full in params.items():
-        for i, shard in _split(lays[q], full).items():
-            opt.init_shard(q, i, shard)
+    opt = _driver(CpuTier(memory="numpy"), lays, LARGE, params, spec=tx())
     for g in grads:
         _step(opt, lays, g, _Writes())
     got = _masters(opt, lays)

@@ -1,0 +1,50 @@
+"""Launching the processes of a multi-process test job and reading what they print."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+WORKERS = Path(__file__).resolve().parents[1] / "workers"
+
+
+def free_port() -> int:
+    """A localhost port nothing listens on (for a job's coordinator)."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def job_env(jax_cache: bool = False) -> dict[str, str]:
+    """This environment without JAX_/XLA_ settings (each worker sets its own devices); ``jax_cache`` passes
+    the test session's compilation cache directory on (``ZINF_TEST_JAX_CACHE``)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    if jax_cache:
+        import jax
+
+        env["ZINF_TEST_JAX_CACHE"] = jax.config.jax_compilation_cache_dir or ""
+    return env
+
+
+def start(argvs: list[list[str]], env: dict[str, str]) -> list[subprocess.Popen]:
+    """One Python process per argv (``[script or -m module, args...]``), output captured."""
+    return [subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                             text=True) for argv in argvs]
+
+
+def finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[str, str]]:
+    """Waits for every process; each must exit 0 (else its stderr's tail is the failure). Their (stdout, stderr)."""
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=timeout)
+        assert p.returncode == 0, err[-3000:]
+        outs.append((out, err))
+    return outs
+
+
+def last_json(procs: list[subprocess.Popen], timeout: float = 400) -> list[dict]:
+    """:func:`finish`, then each process's last stdout line as JSON."""
+    return [json.loads(out.strip().splitlines()[-1]) for out, _ in finish(procs, timeout)]
