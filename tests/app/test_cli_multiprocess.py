@@ -1,23 +1,29 @@
 """The main job launched as 4 processes of one job (a shell loop's way: the same flags, each its --process-id)."""
 import json
 import os
+import socket
 
 import numpy as np
 import pytest
 
-from helpers.procs import finish, free_port, job_env, start
+from helpers.procs import WORKERS, finish, free_port, job_env, start
 
 TINY = ["--steps", "4", "--d-model", "32", "--n-layers", "2", "--batch", "16", "--seq", "16", "--save-every", "2",
         "--no-progress"]
 
 
-def _start(run_dir, n, *flags):
-    """``zinf-jax train`` as an ``n``-process job (one plain process for ``n == 1``), started."""
-    cmd = ["-m", "zinf_jax.app.cli", "train", "--run-dir", str(run_dir), *TINY, *flags]
+def _start(run_dir, n, *flags, runner=None):
+    """``zinf-jax train`` as an ``n``-process job (one plain process for ``n == 1``), started.
+
+    ``runner``: ``{process: [script, args...]}`` runs those processes' train arguments through a test worker.
+    """
+    args = ["train", "--run-dir", str(run_dir), *TINY, *flags]
     if n == 1:
-        return start([cmd], job_env())
-    cmd += ["--coordinator", f"localhost:{free_port()}", "--num-processes", str(n)]
-    return start([cmd + ["--process-id", str(i)] for i in range(n)], job_env())
+        return start([["-m", "zinf_jax.app.cli", *args]], job_env())
+    args += ["--coordinator", f"localhost:{free_port()}", "--num-processes", str(n)]
+    runner = runner or {}
+    return start([[*runner.get(i, ["-m", "zinf_jax.app.cli"]), *args, "--process-id", str(i)] for i in range(n)],
+                 job_env())
 
 
 def _job(run_dir, n, *flags):
@@ -50,10 +56,13 @@ def test_four_process_cli_job_equals_one_process_and_resumes(tmp_path):
 
 @pytest.mark.slow  # ~1.5 min
 def test_a_killed_process_stops_the_others_within_the_peer_timeout_and_resume_continues(tmp_path):
-    """SIGKILL one of 4 processes mid-run: the other three exit non-zero within --peer-timeout (JAX's heartbeat
-    timeout) naming the lost one; all four restarted with --resume end where one uninterrupted process does."""
+    """SIGKILL one of 4 processes mid-run: the other three exit 75 within --peer-timeout (JAX's heartbeat
+    timeout), each with one line naming the lost process (id, host, pid) and the last complete checkpoint;
+    all four restarted with --resume end where one uninterrupted process does."""
     import signal
     import time
+
+    from zinf_jax.app.peers import EXIT_PEER_LOST
 
     flags = ["--steps", "30", "--save-every", "4", "--peer-timeout", "10"]
     _job(tmp_path / "one", 1, *flags)
@@ -66,16 +75,58 @@ def test_a_killed_process_stops_the_others_within_the_peer_timeout_and_resume_co
         _, errs[i] = procs[i].communicate(timeout=120)
     took = time.time() - killed
     procs[2].communicate()
-    assert all(procs[i].returncode not in (0, None) for i in (0, 1, 3)), [p.returncode for p in procs]
-    assert took <= 10 + 15, took  # the heartbeat timeout, plus the service's polling and the process exit
-    assert all("stopped sending heartbeats" in errs[i] and "\n2\n" in errs[i] for i in (0, 1, 3)), \
-        [errs[i][-1500:] for i in (0, 1, 3)]
+    assert [procs[i].returncode for i in (0, 1, 3)] == [EXIT_PEER_LOST] * 3, [e[-1500:] for e in errs.values()]
+    assert took <= 10 + 15, took  # the heartbeat timeout, plus the watch's polls and the process exit
+    _assert_names_the_loss(errs, tmp_path / "four", 2, f"host {socket.gethostname()}, pid {procs[2].pid}")
     done = json.loads((tmp_path / "one" / "summary.json").read_text())
     assert done["step"] == 30
     _job(tmp_path / "four", 4, *flags, "--resume")
     four = json.loads((tmp_path / "four" / "summary.json").read_text())
     assert four["step"] == 30 and four["steps_run"] < 30
     np.testing.assert_allclose(four["final_loss"], done["final_loss"], rtol=1e-6)
+
+
+@pytest.mark.slow  # ~1.5 min
+def test_a_process_killed_mid_save_leaves_no_checkpoint_and_resume_continues_bitwise(tmp_path):
+    """Process 2 of 4 dies (SIGKILL) in the middle of the step-12 save: the others exit 75 within the bound
+    naming it and step 8 as the last complete checkpoint; the half-written save is never taken for a
+    checkpoint; --resume on all four removes it and ends bitwise where an uninterrupted 4-process job does."""
+    import time
+
+    from zinf_jax.app.peers import EXIT_PEER_LOST
+
+    flags = ["--steps", "16", "--save-every", "4", "--peer-timeout", "10"]
+    _job(tmp_path / "whole", 4, *flags)
+    procs = _start(tmp_path / "four", 4, *flags, runner={2: [str(WORKERS / "cli_dies_mid_save.py"), "12"]})
+    err = procs[2].communicate(timeout=300)[1]
+    died = time.time()
+    assert procs[2].returncode == -9, err[-2000:]
+    errs = {i: procs[i].communicate(timeout=120)[1] for i in (0, 1, 3)}
+    took = time.time() - died
+    assert [procs[i].returncode for i in (0, 1, 3)] == [EXIT_PEER_LOST] * 3, [e[-1500:] for e in errs.values()]
+    assert took <= 10 + 15, took
+    ckpt = tmp_path / "four" / "ckpt"
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000004", "step_00000008"]
+    assert [p.name[:len(".tmp_step_00000012")] for p in ckpt.glob(".tmp_*")] == [".tmp_step_00000012"]
+    _assert_names_the_loss(errs, tmp_path / "four", 2, f"host {socket.gethostname()}, pid {procs[2].pid}")
+    errs = _job(tmp_path / "four", 4, *flags, "--resume")
+    assert "removed 1 unfinished save(s) of an earlier run: .tmp_step_00000012" in errs[0]
+    four = json.loads((tmp_path / "four" / "summary.json").read_text())
+    whole = json.loads((tmp_path / "whole" / "summary.json").read_text())
+    assert four["step"] == whole["step"] == 16 and four["steps_run"] == 8
+    assert four["final_loss"] == whole["final_loss"]  # bitwise: the same job, resumed from step 8
+
+
+def _assert_names_the_loss(errs, run_dir, lost, where):
+    """Each survivor's stderr holds one line naming process ``lost`` (``where``) and the last complete checkpoint."""
+    from zinf_jax.checkpoint.format import list_steps
+
+    step, path = list_steps(run_dir / "ckpt")[-1]
+    for i, err in errs.items():
+        lines = [ln for ln in err.splitlines() if ln.startswith("zinf-jax train: lost ")]
+        assert len(lines) == 1, (i, err[-2000:])
+        assert f"lost process {lost} ({where}) of the job's 4" in lines[0], lines[0]
+        assert f"Last complete checkpoint: {path} (step {step}); restart all 4 processes with --resume" in lines[0]
 
 
 def _wait_for_steps(run_dir, n, timeout=300):
@@ -113,3 +164,24 @@ def test_a_signal_to_one_process_stops_all_at_one_step_with_one_checkpoint(tmp_p
     one = json.loads((tmp_path / "one" / "summary.json").read_text())
     assert four["step"] == one["step"] == 30
     np.testing.assert_allclose(four["final_loss"], one["final_loss"], rtol=1e-6)
+
+
+def test_peer_watch_stops_the_others_with_one_line_when_a_process_dies(tmp_path):
+    """PeerWatch in a real 3-process job (JAX's recoverable mode, 2 s heartbeat timeout): process 2 exits without
+    a word; 0 and 1 leave with EXIT_PEER_LOST and one line naming process 2 and the last complete checkpoint."""
+    from zinf_jax.app.peers import EXIT_PEER_LOST
+
+    (tmp_path / "ckpt" / "step_00000007").mkdir(parents=True)
+    (tmp_path / "ckpt" / "step_00000007" / "zinf_meta.json").write_text("{}")  # complete (its meta is written last)
+    (tmp_path / "ckpt" / ".tmp_step_00000009_ab").mkdir()  # a save in flight is never the last checkpoint
+    port = free_port()
+    procs = start([[str(WORKERS / "peer_watch_worker.py"), str(i), str(port), str(tmp_path / "ckpt")]
+                   for i in range(3)], job_env())
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [EXIT_PEER_LOST, EXIT_PEER_LOST, 9], [e[-1500:] for _, e in outs]
+    for out, err in outs[:2]:
+        assert "never stopped" not in out
+        lines = [ln for ln in err.splitlines() if ln.startswith("zinf-jax train: lost ")]
+        assert len(lines) == 1, err[-1500:]
+        assert f"lost process 2 (host {socket.gethostname()}, pid {procs[2].pid}) of the job's 3" in lines[0]
+        assert f"{tmp_path / 'ckpt' / 'step_00000007'} (step 7); restart all 3 processes with --resume" in lines[0]

@@ -21,17 +21,19 @@ name                        from                                  used by
 ``join_effects``            ``jax._src.core`` (private)           ``engine/glue``
 ``convert_constvars_jaxpr`` ``jax._src.interpreters.partial_eval``  ``engine/adapters``
 ``dce_jaxpr``               ``jax._src.interpreters.partial_eval``  ``engine/adapters``
+``distributed_client``      ``jax._src.distributed.global_state``  ``app/peers``
 ==========================  ====================================  =====================
 """
 from __future__ import annotations
 
 from jax._src import core as _core  # private: join_effects has no public home (JAX 0.10.2)
+from jax._src import distributed as _distributed  # private: the job's client (orbax reaches it the same way)
 from jax._src.interpreters import partial_eval as _pe  # private: jaxpr rewriting (JAX 0.10.2)
 from jax.core import ShapedArray, eval_jaxpr
 from jax.extend.core import ClosedJaxpr, DebugInfo, DropVar, Jaxpr, Literal, Primitive, Var, jaxpr_as_fun
 
 __all__ = ["ClosedJaxpr", "DebugInfo", "DropVar", "Jaxpr", "Literal", "Primitive", "Var", "jaxpr_as_fun",
-           "ShapedArray", "eval_jaxpr", "join_effects", "convert_constvars_jaxpr", "dce_jaxpr"]
+           "ShapedArray", "eval_jaxpr", "join_effects", "convert_constvars_jaxpr", "dce_jaxpr", "distributed_client"]
 
 join_effects = _core.join_effects
 """The union of effect sets (of a segment's equations)."""
@@ -39,3 +41,12 @@ convert_constvars_jaxpr = _pe.convert_constvars_jaxpr
 """A jaxpr whose constants become its leading inputs."""
 dce_jaxpr = _pe.dce_jaxpr
 """Dead-code elimination: ``(jaxpr, used_outputs) -> (smaller jaxpr, used_inputs)``."""
+
+
+def distributed_client():
+    """The ``jax.distributed`` client of this process (``None`` outside a multi-process job).
+
+    Its ``get_live_nodes`` and key-value store are the coordination service's own; JAX exports no
+    public accessor (orbax's ``multihost`` module reads the same ``global_state.client``).
+    """
+    return _distributed.global_state.client

@@ -25,14 +25,19 @@ T = TypeVar("T")
 def start(coordinator: str, num_processes: int, process_id: int, peer_timeout: int) -> None:
     """Joins the job: ``jax.distributed.initialize`` (``coordinator == "auto"``: from the cluster's environment).
 
-    ``peer_timeout`` is JAX's heartbeat timeout: a process that stops beating (killed, crashed) makes
-    the coordination service stop every other process that long after.
+    ``peer_timeout`` is JAX's heartbeat timeout: a process that stops beating (killed, crashed) leaves
+    the job's live set that long after, and every other process's :class:`~zinf_jax.app.peers.PeerWatch`
+    stops it (the service runs in JAX's recoverable mode so that it is the watch, with its message,
+    that stops them).
 
     Raises:
       OSError: the job cannot be joined (the coordinator is unreachable, a peer never came).
     """
     import jax
 
+    from zinf_jax.app.peers import enable_recovery
+
+    enable_recovery()
     try:
         if coordinator == "auto":
             jax.distributed.initialize(heartbeat_timeout_seconds=peer_timeout)
@@ -91,6 +96,29 @@ class Job:
             return False
         stop.request(signal.SIGTERM, "to a process of the job")
         return True
+
+    def leave(self, timeout_s: float = 60.0) -> None:
+        """Leaves the job in order, once this process's work is done (a no-op with one process).
+
+        In recoverable mode (:func:`start`) JAX's shutdown no longer waits for every process, and a
+        process disconnecting after process 0 has stopped the coordination service aborts. So all meet
+        at a barrier, the others disconnect, and process 0 stops the service once they are gone (or
+        after ``timeout_s``).
+        """
+        if self.count == 1:
+            return
+        import time
+
+        import jax
+
+        from zinf_jax._internal.jax_private import distributed_client
+
+        self.procs.sync("leave")
+        if self.primary:
+            client, deadline = distributed_client(), time.monotonic() + timeout_s
+            while len(client.get_live_nodes(list(range(self.count)))) > 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        jax.distributed.shutdown()
 
     def metrics_path(self) -> str:
         """The job's metrics file (process 0's); the others write none."""

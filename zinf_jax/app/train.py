@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -34,13 +35,14 @@ from zinf_jax.app import rundir
 from zinf_jax.app.checks import check_args, check_batch
 from zinf_jax.app.interrupts import Interrupted, StopRequest
 from zinf_jax.app.job import Job
+from zinf_jax.app.peers import PeerWatch, last_checkpoint_phrase
 from zinf_jax.app.metrics import MetricsLog
 from zinf_jax.app.models import GPT, GPTConfig, batch_at, corpus, lm_loss
 from zinf_jax.app.progress import Progress
 from zinf_jax.checkpoint import policies
 from zinf_jax.checkpoint.format import META, is_complete
 from zinf_jax.config import Offload, ZeroConfig
-from zinf_jax.errors import CheckpointError, ConfigError, NonFiniteLossError, TierError
+from zinf_jax.errors import CheckpointError, ConfigError, NonFiniteLossError, TierError, ZinfError
 from zinf_jax.optim import adamw
 
 __all__ = ["TrainArgs", "train", "build_config", "check_args", "Interrupted", "NonFiniteLossError",
@@ -112,8 +114,9 @@ class TrainArgs:
       num_processes: processes in the job (with ``coordinator``).
       process_id: this process's index, 0 to ``num_processes - 1`` (with ``coordinator``).
       peer_timeout: seconds until a lost process (killed, out of memory, crashed) stops the job's
-        others: JAX's heartbeat timeout (``jax.distributed``); they exit non-zero and JAX's log line
-        names the lost process; restart every process with ``--resume``.
+        others: JAX's heartbeat timeout (``jax.distributed``); they exit 75 with one line naming the
+        lost process and the last complete checkpoint (:mod:`zinf_jax.app.peers`); restart every
+        process with ``--resume``.
     """
 
     steps: int = 150
@@ -463,10 +466,22 @@ def train(args: TrainArgs, *, out: TextIO | None = None, stop: StopRequest | Non
         run_dir.mkdir(parents=True, exist_ok=True)
         job = Job(run_dir)
         with rundir.RunLock(run_dir, job.lock_name), job.output(out) as mine:
-            if job.count > 1:
-                mine.write(f"zinf-jax train: process {job.index} of {job.count} (host {socket.gethostname()}); "
-                           f"if one is lost the others stop within --peer-timeout {args.peer_timeout} s\n")
-            return _run_locked(args, config, run_dir, mine, stop, job)
+            if job.count == 1:
+                return _run_locked(args, config, run_dir, mine, stop, job)
+            mine.write(f"zinf-jax train: process {job.index} of {job.count} (host {socket.gethostname()}); "
+                       f"if one is lost the others stop within --peer-timeout {args.peer_timeout} s\n")
+            last = functools.partial(last_checkpoint_phrase, run_dir / "ckpt", job.count)
+            with PeerWatch(job.count, job.index, args.peer_timeout, last,
+                           write=None if mine is out else mine.write) as watch:
+                try:
+                    summary = _run_locked(args, config, run_dir, mine, stop, job)
+                except (ZinfError, ValueError, Interrupted):  # this process's own verdict: reported as is
+                    raise
+                except BaseException:  # a runtime failure may be a lost peer's doing: let the watch tell
+                    watch.settle()
+                    raise
+            job.leave()
+            return summary
     finally:
         if own:
             stop.restore()

@@ -1,0 +1,160 @@
+"""A lost process stops the whole job within ``--peer-timeout``, with one line naming it and the checkpoint to resume.
+
+JAX's coordination service (``jax.distributed``, hosted by process 0) already watches every
+process's heartbeats: a process that stops beating (killed, out of memory, crashed, its host gone)
+leaves the service's live set ``--peer-timeout`` seconds after its last beat. Left to itself the
+service then aborts every other process from C++ (``SIGABRT``, a log line naming a task). The job
+instead runs the service in JAX's recoverable mode (``jax_enable_recoverability``: the service only
+marks the process dead) and each process runs a :class:`PeerWatch`: a thread that reads the live set
+(``get_live_nodes``) once a second and, when a process has left it, writes one line — which process,
+its host and pid (each process publishes them in the service's key-value store when it joins), and
+the last complete checkpoint — and ends this process with :data:`EXIT_PEER_LOST`, wherever its main
+thread is (a collective waiting for the dead peer never returns). Nothing half-written is lost or
+taken for a checkpoint: a save in flight is a ``.tmp_step_*`` directory until it is complete, and
+``--resume`` removes it and continues from the last complete one.
+
+If process 0 itself is lost, the service goes with it: the others' reads fail, and after a few
+failed polls in a row the watch names process 0 (the coordinator) the same way.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+from typing import Callable
+
+__all__ = ["PeerWatch", "EXIT_PEER_LOST", "enable_recovery", "last_checkpoint_phrase"]
+
+EXIT_PEER_LOST = 75
+"""The exit status of a process stopped because another process of the job was lost (``EX_TEMPFAIL``:
+restart the job with ``--resume``)."""
+
+_KEY = "zinf-jax/peer/"
+
+
+def enable_recovery() -> None:
+    """Makes the coordination service mark a lost process dead instead of aborting the others (before joining).
+
+    The :class:`PeerWatch` of each process then stops it with a line of its own.
+    """
+    import jax
+
+    jax.config.update("jax_enable_recoverability", True)
+
+
+class PeerWatch:
+    """Watches the job's live set from a thread; stops this process when another process is lost (see module doc).
+
+    Use as a context manager around the job's work; leaving it stops the watch (a finished process
+    may leave the live set at its own pace).
+
+    Args:
+      count: the job's process count.
+      index: this process's index.
+      peer_timeout: JAX's heartbeat timeout the job was started with (seconds; for the message).
+      last_checkpoint: the last complete checkpoint, as a phrase for the message (called on loss).
+      write: writes one line where this process's messages go (besides stderr).
+      poll_s: seconds between reads of the live set.
+    """
+
+    def __init__(self, count: int, index: int, peer_timeout: int, last_checkpoint: Callable[[], str],
+                 write: Callable[[str], None] | None = None, poll_s: float = 1.0):
+        self.count, self.index, self.peer_timeout = count, index, peer_timeout
+        self._last_checkpoint, self._write, self._poll_s = last_checkpoint, write, poll_s
+        self._done = threading.Event()
+        self._peers: dict[int, str] = {}
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> PeerWatch:
+        client = self._client()
+        client.key_value_set(f"{_KEY}{self.index}", f"host {socket.gethostname()}, pid {os.getpid()}")
+        self._thread = threading.Thread(target=self._run, args=(client,), name="zinf-peer-watch", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def settle(self) -> None:
+        """After a failure this process cannot place: waits long enough for the watch to see a lost peer.
+
+        A collective or barrier whose peer died may fail before the service has marked it dead; if a
+        process is lost the watch then ends this process with its line, otherwise this returns (after
+        at most ``peer_timeout`` + 3 polls) and the failure is reported as it is.
+        """
+        if self._thread is not None and self._thread.is_alive():
+            self._thread.join(self.peer_timeout + 3 * self._poll_s)
+
+    def _client(self):
+        from zinf_jax._internal.jax_private import distributed_client
+
+        client = distributed_client()
+        if client is None:
+            raise RuntimeError("PeerWatch needs a jax.distributed job (jax.distributed.initialize first)")
+        return client
+
+    def _run(self, client) -> None:
+        everyone = list(range(self.count))
+        failing = 0
+        while not self._done.wait(self._poll_s):
+            try:
+                live = client.get_live_nodes(everyone)
+            except Exception:  # noqa: BLE001 - the service (process 0) is unreachable: it is gone
+                failing += 1
+                if failing >= 3 and self.index != 0:
+                    self._stop([0], "the job's coordinator: its coordination service stopped answering")
+                continue
+            failing = 0
+            self._learn(client)
+            lost = [i for i in everyone if i not in live]
+            if lost:
+                self._stop(lost, f"it stopped answering the job's heartbeats for --peer-timeout "
+                                 f"{self.peer_timeout} s (killed, out of memory, crashed, or its host is gone)")
+
+    def _learn(self, client) -> None:
+        """Reads every process's host and pid from the key-value store (once all have published them)."""
+        if len(self._peers) == self.count:
+            return
+        try:
+            for key, value in client.key_value_dir_get(_KEY):
+                self._peers[int(key.rsplit("/", 1)[-1])] = value
+        except Exception:  # noqa: BLE001 - the names are for the message only
+            pass
+
+    def _stop(self, lost: list[int], why: str) -> None:
+        if self._done.is_set():
+            return
+        who = ", ".join(f"process {i}" + (f" ({self._peers[i]})" if i in self._peers else "") for i in lost)
+        try:
+            ckpt = self._last_checkpoint()
+        except Exception as e:  # noqa: BLE001 - still stop, and say why the checkpoint is unknown
+            ckpt = f"unknown ({e})"
+        line = (f"zinf-jax train: lost {who} of the job's {self.count}: {why}; process {self.index} stops too "
+                f"(exit {EXIT_PEER_LOST}). Last complete checkpoint: {ckpt}\n")
+        for write in (self._stderr, self._write):
+            if write is not None:
+                try:
+                    write(line)
+                except (OSError, ValueError):
+                    pass
+        os._exit(EXIT_PEER_LOST)
+
+    @staticmethod
+    def _stderr(line: str) -> None:
+        sys.stderr.flush()
+        os.write(2, line.encode())
+
+
+def last_checkpoint_phrase(ckpt_root: str | os.PathLike, count: int) -> str:
+    """The last complete checkpoint under ``ckpt_root`` and how to continue from it, as one phrase."""
+    from zinf_jax.checkpoint import format as fmt
+
+    steps = fmt.list_steps(ckpt_root) if os.path.isdir(ckpt_root) else []
+    if not steps:
+        return f"none yet; start all {count} processes again (without --resume)"
+    step, path = steps[-1]
+    return f"{path} (step {step}); restart all {count} processes with --resume to continue from it"
+
