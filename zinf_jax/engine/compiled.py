@@ -373,7 +373,8 @@ class CompiledModel:
                  if p not in stacked_paths and self._fetched.get(p, (-1,))[0] != self.store.writes(p)]
         for p, arr in zip(stale, self.store.fetch(stale, memory_kind=kind) if stale else []):
             self._fetched[p] = (self.store.writes(p), arr)
-        stacked = [self._stack(paths) for paths in slots.stacks]
+        self._restack(slots.stacks)
+        stacked = [self._stacked[paths][1] for paths in slots.stacks]
         self.fetch_wait_s += time.perf_counter() - t0
 
         def arg(slot: Any) -> jax.Array:
@@ -385,29 +386,37 @@ class CompiledModel:
         """A stack of ``path``'s layout is built from the tier's shards, not from fetched arrays."""
         return self.host_params or self.store.layouts[path].dim is None
 
-    def _stack(self, paths: tuple[str, ...]) -> jax.Array:
-        """The stored shards of ``paths`` (one layout) stacked along a new first axis, in their tier's memory.
+    def _restack(self, stacks: Sequence[tuple[str, ...]]) -> None:
+        """Rebuilds the stacks (each: the stored shards of ``paths``, one layout, along a new first axis, in
+        their tier's memory) of which the store wrote a path since they were built.
 
-        On the cpu tier from the tier's host shards (numpy stacks per shard index, one batched put); on
-        the device tier by one jitted stack of the fetched arrays, or for a persistent parameter (one
-        shard, every device) one stack of the shards and one put to every device.
+        Stacks built from the tier's shards (the cpu tier's host shards; a persistent parameter's one
+        shard) are stacked per shard index (numpy on the host) and placed by one batched put for all of
+        them; the device tier's sharded ones by one jitted stack of the fetched arrays each.
         """
-        writes = tuple(self.store.writes(p) for p in paths)
-        hit = self._stacked.get(paths)
-        if hit is not None and hit[0] == writes:
-            return hit[1]
-        lay = self.store.layouts[paths[0]]
-        if self._raw_stack(paths[0]):
-            shards = self.store.read_shards(paths)
+        stale = []
+        for paths in stacks:
+            writes = tuple(self.store.writes(p) for p in paths)
+            hit = self._stacked.get(paths)
+            if hit is None or hit[0] != writes:
+                stale.append((paths, writes))
+        raw = [(paths, w) for paths, w in stale if self._raw_stack(paths[0])]
+        if raw:
+            shards = self.store.read_shards([p for paths, _ in raw for p in paths])
             stack = (lambda xs: np.stack([np.asarray(x) for x in xs])) if self.host_params else jnp.stack
-            bufs = {i: stack([s[i] for s in shards]) for i in shards[0]}
+            lays, bufs, at = [], [], 0
+            for paths, _ in raw:
+                mine, at = shards[at:at + len(paths)], at + len(paths)
+                lays.append(stacked_layout(self.store.layouts[paths[0]], len(paths)))
+                bufs.append({i: stack([s[i] for s in mine]) for i in mine[0]})
             kind = "pinned_host" if self.host_params else None
-            out = assemble_many([stacked_layout(lay, len(paths))], self.mesh, [bufs], memory_kind=kind)[0]
-        else:
-            sharding = NamedSharding(self.mesh, P(None, *lay.spec))
-            out = _stacker(sharding)(*[self._fetched[p][1] for p in paths])
-        self._stacked[paths] = (writes, out)
-        return out
+            for (paths, writes), out in zip(raw, assemble_many(lays, self.mesh, bufs, memory_kind=kind)):
+                self._stacked[paths] = (writes, out)
+        for paths, writes in stale:
+            if not self._raw_stack(paths[0]):
+                lay = self.store.layouts[paths[0]]
+                sharding = NamedSharding(self.mesh, P(None, *lay.spec))
+                self._stacked[paths] = (writes, _stacker(sharding)(*[self._fetched[p][1] for p in paths]))
 
     # --- passes ---------------------------------------------------------------------------
     def _check_eager(self, batch: Any, glue: Sequence[jax.Array]) -> None:
