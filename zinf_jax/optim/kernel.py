@@ -132,6 +132,14 @@ if NUMBA_AVAILABLE:
             acc += xi * xi
         return acc
 
+    @njit(nogil=True, fastmath={"reassoc", "contract", "nsz"}, error_model="numpy", cache=True)
+    def _sum_squares_serial_nb(x):
+        acc = 0.0
+        for i in range(x.shape[0]):
+            xi = np.float64(x[i])
+            acc += xi * xi
+        return acc
+
     @njit(parallel=True, nogil=True, fastmath={"reassoc", "nsz"}, error_model="numpy", cache=True)
     def _nonfinite_probe_nb(x):
         # x * 0 is 0 for finite x and NaN for +-Inf or NaN; the sum keeps any NaN.
@@ -214,6 +222,8 @@ def sum_squares(x: np.ndarray) -> float:
     """
     x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
     if NUMBA_AVAILABLE:
+        if x.shape[0] < SERIAL_BELOW:  # as the Adam kernel: no thread-pool launch for a small buffer
+            return float(_sum_squares_serial_nb(x))
         with _LAUNCH_LOCK:
             return float(_sum_squares_nb(x))
     total = 0.0
