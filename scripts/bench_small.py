@@ -3,8 +3,9 @@
 Two models a CPU-mesh test suite trains: an NNX U-Net (channels 8 -> 128 -> 8 at 32 x 32, a skip
 connection across every level, ~10 units, batch 8) and a 2-layer GPT of width 32 (batch 8 x 16).
 Each against ``jit(value_and_grad)`` + ``optax.adamw`` on the unwrapped model on the same 8-device
-CPU mesh; zinf with params and optimizer in host RAM (``cpu``), compiled and streamed, at the default
-``persistence_threshold`` (``--threshold 0``: every parameter sharded and gathered). Reps
+CPU mesh; zinf with params and optimizer in host RAM (``cpu``), compiled and streamed, and ``fused``: the
+compiled engine with both in device memory (``none``), whose update runs inside the step's program; at the
+default ``persistence_threshold`` (``--threshold 0``: every parameter sharded and gathered). Reps
 interleave the runners; medians of per-rep ratios. JSON under ``results/bench_small.json``.
 
 Usage::
@@ -97,14 +98,18 @@ def plain(ctor, loss_fn):
 
 
 def engine(ctor, loss_fn, mode, threshold):
-    config = zinf.ZeroConfig(offload_param=zinf.Offload("cpu"), offload_optimizer=zinf.Offload("cpu"), engine=mode,
-                             persistence_threshold=threshold)
-    return zinf.initialize(ctor, config=config, loss_fn=loss_fn, optimizer=optax.adamw(LR, weight_decay=0.0))
+    """``mode``: ``compiled``/``streamed`` (params and optimizer on cpu, optax's adamw), or ``fused`` (the compiled
+    engine with both in device memory and zinf's adamw, whose update runs inside the step's program)."""
+    tier = "none" if mode == "fused" else "cpu"
+    config = zinf.ZeroConfig(offload_param=zinf.Offload(tier), offload_optimizer=zinf.Offload(tier),
+                             engine="compiled" if mode == "fused" else mode, persistence_threshold=threshold)
+    opt = zinf.adamw(LR, weight_decay=0.0) if mode == "fused" else optax.adamw(LR, weight_decay=0.0)
+    return zinf.initialize(ctor, config=config, loss_fn=loss_fn, optimizer=opt)
 
 
 def bench(name, ctor, loss_fn, batches, args) -> dict:
     runners = {"plain": plain(ctor, loss_fn)}
-    engines = {m: engine(ctor, loss_fn, m, args.threshold) for m in ("compiled", "streamed")}
+    engines = {m: engine(ctor, loss_fn, m, args.threshold) for m in ("fused", "compiled", "streamed")}
     units = len(engines["compiled"].adapter.units)
     for m, eng in engines.items():
         runners[m] = lambda b, eng=eng: eng.train_step(b)["loss"]

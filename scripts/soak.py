@@ -2,8 +2,9 @@
 
 Runs ``zinf-jax train`` (the main job's model and tiers: params and optimizer on nvme) as a child
 process for ``--steps`` steps, saving every ``--save-every`` with ``--keep`` checkpoints, and samples
-the child's resident set size (``/proc/<pid>/status`` ``VmRSS``) and the run directory's bytes on
-disk every ``--every`` seconds. Each sample is matched to the step the job had logged by then
+the child's resident set size (``/proc/<pid>/status`` ``VmRSS``) and the bytes on disk of its
+training state (``ckpt/`` and the tiers; the metrics log, which grows by a line a step, apart) every
+``--every`` seconds. Each sample is matched to the step the job had logged by then
 (``metrics.jsonl``). What a long run must show: RSS at the last step within ``--rss-slack-mb``
 of RSS at the first save, and disk use flat after the second save (retention deletes as fast as
 saves write). JSON under ``results/soak.json``: the samples, the per-step curve and the verdicts.
@@ -41,6 +42,10 @@ def rss_bytes(pid: int) -> int | None:
 def disk_bytes(root: Path) -> int:
     """Bytes the files under ``root`` occupy on disk (allocated blocks, as ``du``)."""
     total = 0
+    if not root.exists():
+        return 0
+    if root.is_file():
+        return root.stat().st_blocks * 512
     for dirpath, _, files in os.walk(root):
         for f in files:
             try:
@@ -84,7 +89,9 @@ def main() -> None:
         rss = rss_bytes(child.pid)
         if rss is not None:
             samples.append({"t_s": round(time.time() - t0, 2), "step": steps_logged(run_dir / "metrics.jsonl"),
-                            "rss_bytes": rss, "disk_bytes": disk_bytes(run_dir) if run_dir.exists() else 0})
+                            "rss_bytes": rss,  # the training state on disk: checkpoints and tiers, not the logs
+                            "disk_bytes": disk_bytes(run_dir / "ckpt") + disk_bytes(run_dir / "nvme"),
+                            "log_bytes": disk_bytes(run_dir / "metrics.jsonl")})
         time.sleep(args.every)
     err = child.stderr.read()
     if child.returncode != 0:

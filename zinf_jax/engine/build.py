@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import math
 from typing import Any, Callable
 
 import jax
@@ -34,6 +36,7 @@ from zinf_jax.engine.streamed import ParamLoss, StreamedModel
 from zinf_jax.engine.wrap import trainable_paths
 from zinf_jax.optim.choose import loss_scaling, with_clipping
 from zinf_jax.optim.driver import StreamedOptimizer
+from zinf_jax.optim.fused import FusedAdam, fused_refusal
 from zinf_jax.plan.partition import ParamLayout, local_shard_devices, owns_shard, plan_partition, split_local
 from zinf_jax.plan.placement import Placement, TierPlacement, place
 from zinf_jax.plan.units import persistent_paths
@@ -135,12 +138,21 @@ def build(adapter: Any, *, config: ZeroConfig, mesh: Mesh, optimizer: Any, init:
         undo.callback(close_quietly, opt_tier)
         grad_tier = None if where.grads is None else _open(where.grads, config, device_of)  # [Note: scratch gradients]
         undo.callback(close_quietly, grad_tier)
-        opt = StreamedOptimizer(
-            with_clipping(optimizer, config.gradient_clipping), opt_tier,
+        spec = with_clipping(optimizer, config.gradient_clipping)
+        scaling = loss_scaling(config, compute_dtype)
+        fused = fused_refusal(  # None: the compiled step runs the update too (optim/fused.py)
+            spec, compiled=where.engine == "compiled", param_tier=where.params.device,
+            opt_tier=where.optimizer.device, accumulation=config.gradient_accumulation_steps,
+            loss_scaling=scaling is not None, grad_tier=grad_tier is not None,
+            largest_shard=max((math.prod(l.shard_shape) for l in layouts.values()), default=0),
+            sub_group_size=config.sub_group_size) is None
+        make = functools.partial(FusedAdam, mesh=mesh) if fused else StreamedOptimizer
+        opt = make(
+            spec, opt_tier,
             {p: l for p, l in layouts.items() if p in trained},
             local_indices=local_indices_of(layouts, mesh), owner=owner,
             sub_group_size=config.sub_group_size, buffer_count=config.offload_optimizer.buffer_count,
-            loss_scale=loss_scaling(config, compute_dtype), allreduce=allreduce_sum, grad_tier=grad_tier,
+            loss_scale=scaling, allreduce=allreduce_sum, grad_tier=grad_tier,
             state_dtype=config.moments_dtype,
         )
         opt.declare()
@@ -163,7 +175,7 @@ def build(adapter: Any, *, config: ZeroConfig, mesh: Mesh, optimizer: Any, init:
                 adapter, store, host_params=where.params.device == "cpu",
                 grads_on_host=where.optimizer.device != "none",
                 activation_checkpointing=config.activation_checkpointing, param_loss=param_loss,
-                trainable=trained, sink=sink, gate=gate)
+                trainable=trained, sink=sink, gate=gate, fused=opt if fused else None)
         else:
             passes = StreamedModel(
                 adapter, store, prefetch_depth=config.prefetch_depth, max_live_bytes=config.max_live_bytes,

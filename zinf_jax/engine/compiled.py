@@ -16,7 +16,9 @@ into one jitted function of the parameters' stored shards:
 * the gradients leave the program reduce-scattered to the stored sharding, in float32, in
   ``pinned_host`` when the optimizer is on the host (its tier is cpu or nvme), where the streamed
   optimizer (:mod:`zinf_jax.optim.driver`) reads them through the same
-  :class:`~zinf_jax.engine.grads.GradSink` as the streamed engine's.
+  :class:`~zinf_jax.engine.grads.GradSink` as the streamed engine's;
+* with params and optimizer both in device memory the update runs in the same program
+  (:mod:`zinf_jax.optim.fused`): the gradients never leave it, the new params and states come out.
 
 A parameter read outside its unit (a tied head, ``embedding[...]``) is a unit call of the read
 method and becomes a read in the program. One program per input signature (the loss, train or
@@ -45,6 +47,7 @@ from zinf_jax.engine.runs import Run, find_runs
 from zinf_jax.engine.store import ParamStore
 from zinf_jax.engine.streamed import JIT_MESSAGE
 from zinf_jax.errors import EngineError
+from zinf_jax.optim.fused import FusedAdam
 from zinf_jax.plan.partition import ParamLayout, assemble_many, from_stored, stacked_layout
 from zinf_jax.plan.units import Plan
 
@@ -141,12 +144,14 @@ class CompiledModel:
       trainable: the paths differentiated (the others are frozen).
       sink: where the parameters' gradients go.
       gate: holds the fetch of the parameters until an optimizer step in flight has written them.
+      fused: the optimizer whose update the train program runs too (device-memory state and params;
+        the sink then gets no gradients), or ``None``.
     """
 
     def __init__(self, adapter: Any, store: ParamStore, *, host_params: bool, grads_on_host: bool,
                  activation_checkpointing: bool = True, param_loss: Callable | None = None,
                  trainable: Collection[str] | None = None, sink: GradSink | None = None,
-                 gate: WriteGate | None = None):
+                 gate: WriteGate | None = None, fused: FusedAdam | None = None):
         self.adapter = adapter
         self.store = store
         self.mesh = store.mesh
@@ -158,6 +163,7 @@ class CompiledModel:
         self.compute_dtype = jnp.dtype(store.compute_dtype)
         self.sink = sink or GradSink(store.layouts, store.mesh)
         self.gate = gate or WriteGate()
+        self.fused = fused
         paths = list(dict.fromkeys(p for u in self.units for p in u.param_paths))
         self.unit_paths = paths
         trained = set(paths) if trainable is None else set(trainable)
@@ -340,6 +346,69 @@ class CompiledModel:
 
         return step
 
+    def _fused_paths(self, slots: _Slots) -> tuple[list[list[str]], list[int], list[str]]:
+        """The paths of each trained argument, the trained glue parameters' positions, and all those paths."""
+        per_slot = [[x] if isinstance(x, str) else list(slots.stacks[x]) for x in slots.trained]
+        glue = [j for j, p in enumerate(self.adapter.glue_paths) if p in self.fused.layouts]
+        return per_slot, glue, [p for ps in per_slot for p in ps] + [self.adapter.glue_paths[j] for j in glue]
+
+    def _fused_program(self, traced: Traced, slots: _Slots, has_aux: bool) -> Callable:
+        """The train program with the optimizer step in it (see :mod:`zinf_jax.optim.fused`)."""
+        step = self._train_program(traced, slots, has_aux)
+        per_slot, glue_trained, paths = self._fused_paths(slots)
+
+        def stored(path: str, master: jax.Array) -> jax.Array:
+            lay = self.store.layouts[path]
+            x = master.astype(self.store.dtype_of(path))
+            return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, lay.spec))
+
+        def run(trained, glue, frozen, rest, scale, states, scalars):
+            loss, aux, new_state, batch_state, g_trained, g_glue = step(trained, glue, frozen, rest, scale)
+            grads = []
+            for slot, ps, g in zip(slots.trained, per_slot, g_trained):
+                grads += [g] if isinstance(slot, str) else [g[k] for k in range(len(ps))]
+            grads += [g_glue[j] for j in glue_trained]
+            masters, new_states, norm, finite = self.fused.update(paths, grads, states, scalars)
+            new_params = [stored(p, m) for p, m in zip(paths, masters)]
+            by_path = dict(zip(paths, new_params))
+            new_slots = []
+            for slot, ps in zip(slots.trained, per_slot):
+                if isinstance(slot, str):
+                    new_slots.append(by_path[slot])
+                else:
+                    spec = P(None, *self.store.layouts[ps[0]].spec)
+                    new_slots.append(jax.lax.with_sharding_constraint(jnp.stack([by_path[p] for p in ps]),
+                                                                      NamedSharding(self.mesh, spec)))
+            return loss, aux, new_state, batch_state, new_slots, new_params, new_states, norm, finite
+
+        return run
+
+    def _fused_step(self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array], has_aux: bool,
+                    loss_scale: float, before_backward: Callable[[], None] | None) -> tuple[jax.Array, Any, list]:
+        """``forward_backward`` with the optimizer step in the program: the new params and states are kept."""
+        t0 = time.perf_counter()
+        traced, slots, args = self._train_args(loss_fn, batch, glue, loss_scale)
+        _, _, paths = self._fused_paths(slots)
+        scalars = self.fused.scalars()
+        full = (*args, self.fused.states(paths), scalars)
+        _, prog = self._compiled(traced, ("fused", has_aux), lambda: self._fused_program(traced, slots, has_aux), full)
+        if before_backward is not None:
+            before_backward()
+        loss, aux, new_state, batch_state, new_slots, new_params, new_states, norm, finite = prog(*full)
+        del args, full
+        self.store.adopt(paths, new_params)  # the tier's new values, and the next step's arguments as they are
+        for slot, x in zip(slots.trained, new_slots):
+            if isinstance(slot, str):
+                self._fetched[slot] = (self.store.writes(slot), x)
+            else:
+                self._stacked[slots.stacks[slot]] = (tuple(self.store.writes(p) for p in slots.stacks[slot]), x)
+        self.fused.adopt(paths, new_states)
+        norm, finite = jax.device_get((norm, finite))
+        self.fused.applied(float(norm), bool(finite), float(scalars[0]), time.perf_counter() - t0)
+        self.state = new_state
+        self.adapter.update_batch(batch, batch_state)
+        return loss, aux, []
+
     def _compiled(self, traced: Traced, kind: tuple, make: Callable, args: tuple) -> Any:
         """The program of ``traced`` (``kind``: train/eval variant) compiled for ``args``, built once."""
         progs = self._programs.setdefault(traced.program, {})
@@ -446,6 +515,8 @@ class CompiledModel:
         As ``StreamedModel.forward_backward``: seeded with ``loss_scale``; ``accumulate`` adds to the
         sink's gradients; ``before_backward()`` runs before the program (forward and backward are one).
         """
+        if self.fused is not None:  # one step per batch (no accumulation): the update is in the program
+            return self._fused_step(loss_fn, batch, glue, has_aux, loss_scale, before_backward)
         if not accumulate:
             self.sink.clear()
         traced, slots, args = self._train_args(loss_fn, batch, glue, loss_scale)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from zinf_jax.plan.partition import ParamLayout, assemble_many, local_shard_devices, split_local
+from zinf_jax.plan.partition import ParamLayout, assemble_many, local_positions, local_shard_devices, split_local
 from zinf_jax._internal.futures import done_future
 from zinf_jax.tiers.base import ShardSpec, Tier, TierError
 from zinf_jax.errors import ParamMismatchError
@@ -65,6 +65,7 @@ class ParamStore:
         self.local_indices = local_indices_of(self.layouts, mesh)
         """``local_indices(path)``: shard indices of ``path`` this process stores."""
         self._writes: dict[str, int] = {}  # per path: writes so far (see :meth:`writes`)
+        self._positions: dict[str, dict[int, int]] = {}  # per path: local shard index -> addressable_data position
         for path, lay in self.layouts.items():
             if path in self.master_paths:
                 continue
@@ -96,6 +97,20 @@ class ParamStore:
         self._writes[path] = self._writes.get(path, 0) + 1
         lay = self.layouts[path]
         return [self.tier.put(path, i, s) for i, s in split_local(lay, self.mesh, stored).items()]
+
+    def adopt(self, paths: Sequence[str], arrays: Sequence[jax.Array]) -> None:
+        """Makes sharded stored-form device arrays of the tier's dtype the new values of ``paths``, their shards
+        kept as they are (a device tier's ``put_arrays``: no copy; the compiled step's new params)."""
+        items = []
+        for path, arr in zip(paths, arrays):
+            if path in self.master_paths:  # See [Note: shared fp32 master]
+                continue
+            self._writes[path] = self._writes.get(path, 0) + 1
+            pos = self._positions.get(path)
+            if pos is None:
+                pos = self._positions[path] = local_positions(self.layouts[path], self.mesh, arr)
+            items += [(path, i, arr.addressable_data(k)) for i, k in pos.items()]
+        self.tier.put_arrays(items)
 
     def put_local(self, path: str, index: int, value: np.ndarray) -> Future:
         """Writes one local shard given as a host array (cast to the tier's dtype)."""

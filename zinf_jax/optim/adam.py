@@ -46,6 +46,7 @@ __all__ = [
     "adam_coefficients",
     "adam_update_shard",
     "adam_update_shard_jax",
+    "adam_math",
 ]
 
 Schedule = Callable[[jax.typing.ArrayLike], jax.typing.ArrayLike]
@@ -296,14 +297,22 @@ def adam_update_shard(param: np.ndarray, m: np.ndarray, v: np.ndarray, grad: np.
         _jax_inplace(param, m, v, grad, coeffs)
 
 
-@functools.partial(jax.jit, donate_argnums=(0, 1, 2))
-def _adam_xla(p, m, v, g, c: AdamCoefficients):
+def adam_math(p: jax.Array, m: jax.Array, v: jax.Array, g: jax.Array, c: AdamCoefficients
+              ) -> Tuple[jax.Array, jax.Array, jax.Array]:
+    """One Adam(W) update of float32 arrays, traceable (the fused kernel's arithmetic, in the same order).
+
+    Returns:
+      ``(param, m, v)`` after the step.
+    """
     g = g * c.grad_scale
     m = c.one_minus_b1 * g + c.b1 * m
     v = c.one_minus_b2 * (g * g) + c.b2 * v
     u = (m / c.bias_correction1) / (jnp.sqrt(v / c.bias_correction2 + c.eps_root) + c.eps)
     u = u + c.weight_decay * p
     return p + c.neg_lr * u, m, v
+
+
+_adam_xla = jax.jit(adam_math, donate_argnums=(0, 1, 2))
 
 
 def adam_update_shard_jax(param: jax.typing.ArrayLike, m: jax.typing.ArrayLike,

@@ -49,6 +49,7 @@ __all__ = [
     "assemble_many",
     "stacked_layout",
     "split_local",
+    "local_positions",
     "format_table",
 ]
 
@@ -440,6 +441,20 @@ def split_local(layout: ParamLayout, mesh: Mesh, array: jax.Array) -> dict[int, 
     out = {}
     for s in array.addressable_shards:
         out.setdefault(0 if layout.dim is None else index[s.device], s.data)
+    return dict(sorted(out.items()))
+
+
+def local_positions(layout: ParamLayout, mesh: Mesh, array: jax.Array) -> dict[int, int]:
+    """For each local shard index, the position ``k`` of one device holding it in ``array.addressable_data(k)``.
+
+    The same for every array of ``layout``'s sharding: callers that split many arrays keep it, and
+    then take each shard as ``array.addressable_data(k)`` (no per-shard objects, as
+    :func:`split_local` builds).
+    """
+    index = _index_of_device(mesh, layout.axes)
+    out: dict[int, int] = {}
+    for k, s in enumerate(array.addressable_shards):
+        out.setdefault(0 if layout.dim is None else index[s.device], k)
     return dict(sorted(out.items()))
 
 

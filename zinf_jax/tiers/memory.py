@@ -48,6 +48,7 @@ class _MemoryTier:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix=f"zinf-{self.kind}")
         self._futures: set[Future] = set()
+        self._version = 0  # puts so far (see :attr:`version`)
 
     # --- layout (see :class:`~zinf_jax.tiers.keys.KeyRegistry`) ----------------
     def declare(self, key: str, spec: ShardSpec, local_indices: Sequence[int] | None = None) -> None:
@@ -106,9 +107,15 @@ class _MemoryTier:
         if last is not None:
             last.result()
 
+    @property
+    def version(self) -> int:
+        """Grows with every put: a holder of arrays built from the shards knows none changed while it is the same."""
+        return self._version
+
     def put(self, key: str, index: int, value: Any) -> Future:
         spec = self._check(key, index, value)
         self._settle(key, index)
+        self._version += 1
 
         def store():
             with self._lock:
@@ -121,6 +128,17 @@ class _MemoryTier:
         with self._lock:
             self._puts[(key, index)] = fut
         return fut
+
+    def current(self, key: str, index: int) -> Any:
+        """The shard's stored object as it is now (after any put in flight), without a copy.
+
+        A device tier's shard is an immutable ``jax.Array``: the object itself tells whether the shard
+        was written since (identity), which is what a holder of a larger array built from it checks.
+        """
+        self._check(key, index)
+        self._settle(key, index)
+        with self._lock:
+            return self._data.get((key, index))
 
     def get(self, key: str, index: int, *, out: np.ndarray | None = None) -> Future:
         spec = self._check(key, index)
@@ -186,6 +204,27 @@ class DeviceTier(_MemoryTier):
     def __init__(self, *, placement: Callable[[int], jax.Device] | None = None, max_in_flight_bytes: int = 1 << 30):
         super().__init__(max_in_flight_bytes=max_in_flight_bytes)
         self._placement = placement or (lambda i: jax.local_devices()[0])
+
+    def put_arrays(self, items: Sequence[tuple[str, int, jax.Array]]) -> None:
+        """Stores device arrays as the shards they are, at once (no transfer, no future): a compiled step's outputs.
+
+        Each array must already have its key's shard shape and dtype and live on a device.
+
+        Raises:
+          TierError: an array's shape or dtype is not its key's.
+        """
+        for key, index, value in items:
+            spec = self._check(key, index, value)
+            if value.dtype != _np(spec.dtype):
+                raise TierError(f"device tier: shard of {key!r} has dtype {value.dtype}, declared {spec.dtype}")
+        with self._lock:
+            pending = [f for f in (self._puts.get((k, i)) for k, i, _ in items) if f is not None]
+        for f in pending:  # an earlier put of one of them still in flight lands first
+            f.result()
+        with self._lock:
+            for key, index, value in items:
+                self._data[(key, index)] = value
+            self._version += 1
 
     def _place(self, index: int, value: Any, spec: ShardSpec, old: Any) -> Any:
         if isinstance(value, jax.Array) and value.sharding.memory_kind in (None, "device"):

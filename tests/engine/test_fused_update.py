@@ -1,0 +1,166 @@
+"""The optimizer step inside the compiled step (params and optimizer in device memory, zinf's Adam(W)):
+against plain jit(value_and_grad) + optax, against the host-side streamed update of the same state, through
+a skipped step and across checkpoints into and out of the other engines."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import zinf_jax as zinf
+from helpers.engine_utils import optax_run
+from zinf_jax.models import GPT, GPTConfig, batch_at, corpus, lm_loss
+from zinf_jax.optim.fused import FusedAdam
+
+CFG = GPTConfig(vocab=256, d_model=32, n_heads=4, n_layers=2, seq=16)
+DATA = corpus()
+LR, STEPS, CLIP = 3e-3, 8, 0.5
+EPS = 1e-4  # see EPS in test_idioms: an element whose gradient is pure cancellation
+
+
+def ctor():
+    return GPT(CFG, rngs=nnx.Rngs(0))
+
+
+def batches(n, start=0, batch=8):
+    return [batch_at(DATA, s, batch, CFG.seq) for s in range(start, start + n)]
+
+
+def adamw():
+    return zinf.adamw(LR, eps=EPS, weight_decay=0.1)
+
+
+def config(param="none", opt="none", **kw):
+    # 600: the blocks' matrices sharded over the 8 devices, the norms and biases persistent (both kinds)
+    return zinf.ZeroConfig(offload_param=zinf.Offload(param), offload_optimizer=zinf.Offload(opt),
+                           **{"engine": "compiled", "gradient_clipping": CLIP, "persistence_threshold": 600, **kw})
+
+
+@pytest.fixture(scope="module")
+def fused_run():
+    """The fused engine after STEPS steps: (engine, metrics)."""
+    eng = zinf.initialize(ctor, config=config(), loss_fn=lm_loss, optimizer=adamw())
+    ms = [eng.train_step(b) for b in batches(STEPS)]
+    yield eng, ms
+    eng.close()
+
+
+def test_the_update_in_the_program_matches_optax(fused_run):
+    eng, ms = fused_run
+    assert isinstance(eng.optimizer, FusedAdam)
+    assert all(m["time_split"]["optimizer_in_program"] == 1.0 for m in ms)
+    assert any(eng.layouts[p].dim is not None for p in eng.trainable)  # sharded and persistent both
+    assert any(eng.layouts[p].dim is None for p in eng.trainable)
+    decay = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)  # noqa: E731 - zinf.adamw's default mask
+    tx = optax.chain(optax.clip_by_global_norm(CLIP), optax.adamw(LR, eps=EPS, weight_decay=0.1, mask=decay))
+    ref_losses, ref = optax_run(ctor(), tx, batches(STEPS))
+    assert ms[0]["grad_norm"] > CLIP  # clipping is active
+    np.testing.assert_allclose([m["loss"] for m in ms], ref_losses, rtol=1e-5)
+    got = eng.param_arrays()
+    for k, v in ref.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+    assert eng.step == STEPS
+
+
+@pytest.mark.parametrize("moments", ["float32", "bfloat16"])
+def test_the_update_in_the_program_equals_the_host_update_of_the_same_state(fused_run, moments):
+    """Against the streamed CPU Adam over the same tiers' numbers (the optimizer on the host): the same kernel
+    arithmetic, up to the float32-vs-float64 norm and the host kernel's fused multiply-adds."""
+    if moments == "float32":
+        eng, ms = fused_run
+    else:
+        eng = zinf.initialize(ctor, config=config(moments_dtype=moments), loss_fn=lm_loss, optimizer=adamw())
+        ms = [eng.train_step(b) for b in batches(STEPS)]
+    host = zinf.initialize(ctor, config=config(opt="cpu", moments_dtype=moments), loss_fn=lm_loss, optimizer=adamw())
+    assert not isinstance(host.optimizer, FusedAdam)
+    hs = [host.train_step(b) for b in batches(STEPS)]
+    np.testing.assert_allclose([m["loss"] for m in ms], [m["loss"] for m in hs], rtol=1e-6)
+    np.testing.assert_allclose([m["grad_norm"] for m in ms], [m["grad_norm"] for m in hs], rtol=1e-5)
+    a, b = eng.param_arrays(), host.param_arrays()
+    flips, total = 0, sum(x.size for x in b.values())
+    for k in a:
+        if moments == "float32":
+            np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
+        else:  # the two updates' ~1e-7 differences round a moment near a bf16 boundary one ulp apart: the bound
+            # and the share of such elements are test_bf16_moments.py's (one ulp of the update a step, <= 0.2%)
+            np.testing.assert_allclose(a[k], b[k], rtol=0, atol=STEPS * LR * 2.0 ** -8, err_msg=k)
+            flips += int(np.sum(~np.isclose(a[k], b[k], rtol=1e-5, atol=1e-6)))
+    assert flips <= 0.002 * total, (flips, total)
+    for p in eng.trainable:  # the moments in the tier as they are stored (bf16: rounded to nearest even)
+        i = eng.components.store.local_indices(p)[-1]
+        v, w = eng.optimizer.read_state(p, i, "v"), host.optimizer.read_state(p, i, "v")
+        if moments == "float32":
+            np.testing.assert_allclose(v, w, rtol=1e-5, atol=1e-12, err_msg=p)
+        else:
+            assert np.array_equal(v, v.astype(jnp.bfloat16).astype(np.float32))  # stored as bf16
+            assert np.sum(~np.isclose(v, w, rtol=2.0 ** -7, atol=1e-12)) <= max(1, 0.002 * v.size), p
+    host.close()
+    if moments != "float32":
+        eng.close()
+
+
+def test_train_steps_equal_train_step_bitwise(fused_run):
+    eng, ms = fused_run
+    other = zinf.initialize(ctor, config=config(), loss_fn=lm_loss, optimizer=adamw())
+    out = list(other.train_steps(batches(STEPS)))
+    assert [m["loss"] for m in out] == [m["loss"] for m in ms]
+    a, b = eng.param_arrays(), other.param_arrays()
+    assert all(a[k].tobytes() == b[k].tobytes() for k in a)
+    other.close()
+
+
+def test_a_non_finite_gradient_skips_the_step_in_the_program():
+    """A batch whose loss is NaN: nothing changes (params, moments, step count), the next step trains on."""
+    def loss(model, tokens):
+        return lm_loss(model, tokens) * jnp.where(tokens[0, 0] == 255, jnp.nan, 1.0)
+
+    eng = zinf.initialize(ctor, config=config(), loss_fn=loss, optimizer=adamw())
+    good = batches(2)
+    eng.train_step(good[0])
+    before = eng.param_arrays()
+    v_before = {p: eng.optimizer.read_state(p, 0, "v") for p in eng.trainable}
+    bad = good[1].copy()
+    bad[0, 0] = 255
+    m = eng.train_step(bad)
+    assert m["skipped"] and eng.step == 1 and eng.optimizer.skipped == 1
+    after = eng.param_arrays()
+    assert all(after[p].tobytes() == before[p].tobytes() for p in before)
+    assert all(eng.optimizer.read_state(p, 0, "v").tobytes() == v.tobytes() for p, v in v_before.items())
+    m = eng.train_step(good[1])
+    assert not m["skipped"] and eng.step == 2 and np.isfinite(m["loss"])
+    eng.close()
+
+
+@pytest.mark.parametrize("then", [{}, dict(opt="cpu"), dict(engine="streamed")],
+                         ids=["fused", "host-update", "streamed-engine"])
+def test_a_fused_checkpoint_continues_anywhere_and_back(tmp_path, then):
+    """Saved by the fused engine after 3 steps, restored fused, with the update on the host, or in the streamed
+    engine: the next 3 steps as the fused engine's own (rtol 1e-6); and saved there, restored fused again."""
+    a = zinf.initialize(ctor, config=config(), loss_fn=lm_loss, optimizer=adamw())
+    for b in batches(3):
+        a.train_step(b)
+    a.save(tmp_path / "ckpt")
+    going_on = [a.train_step(b)["loss"] for b in batches(3, start=3)]
+    a.close()
+    b_ = zinf.restore(tmp_path / "ckpt", ctor, config=config(**then), loss_fn=lm_loss, optimizer=adamw())
+    assert b_.step == 3
+    np.testing.assert_allclose([b_.train_step(b)["loss"] for b in batches(3, start=3)], going_on, rtol=1e-6)
+    b_.save(tmp_path / "ckpt2")
+    further = [b_.train_step(b)["loss"] for b in batches(2, start=6)]
+    b_.close()
+    c = zinf.restore(tmp_path / "ckpt2", ctor, config=config(), loss_fn=lm_loss, optimizer=adamw())
+    assert isinstance(c.optimizer, FusedAdam) and c.step == 6
+    np.testing.assert_allclose([c.train_step(b)["loss"] for b in batches(2, start=6)], further, rtol=1e-6)
+    c.close()
+
+
+def test_what_keeps_the_update_on_the_host():
+    """Accumulation, an optax optimizer, fp16 loss scaling: the streamed update over the device tier, as before."""
+    for kw, opt in [(dict(gradient_accumulation_steps=2), adamw()), ({}, optax.adamw(LR)),
+                    (dict(compute_dtype="float16"), adamw())]:
+        eng = zinf.initialize(ctor, config=config(**kw), loss_fn=lm_loss, optimizer=opt)
+        assert not isinstance(eng.optimizer, FusedAdam), kw
+        m = eng.train_step(batches(1, batch=16)[0] if kw.get("gradient_accumulation_steps") else batches(1)[0])
+        assert "optimizer_in_program" not in m["time_split"]
+        eng.close()

@@ -1,0 +1,198 @@
+"""Adam(W) inside the compiled step, for optimizer state kept in device memory.
+
+With ``offload_optimizer="none"`` the fp32 master and the moments live in device memory (the
+device tier). Streaming them through the host each step (read a sub-group, update it on the CPU,
+put it back) costs a device-to-host and a host-to-device copy of every state, and a transfer per
+sub-group. Where the compiled engine runs the step with the params in device memory too, the update
+instead joins the step's program (:class:`~zinf_jax.engine.compiled.CompiledModel` calls
+:meth:`FusedAdam.update` inside its trace): the gradients never leave the devices, the global norm
+is a reduction in the program, and the new params and states come out of it, one program per step.
+
+:class:`FusedAdam` *is* the streamed optimizer of the same tier (its subclass): the tier stays the
+one place the state lives, in the driver's layout (one flat chunk per shard), so checkpoints,
+restores, ``params()`` and a step the program cannot take (e.g. before the first compiled step)
+read and write it exactly as before. The program takes each state as one global flat array, shard
+``i`` being the tier's chunk ``i`` (built without a copy from the tier's arrays and kept while the
+tier holds what the last step wrote: an identity check per shard), and its outputs' shards are put
+back as the tier's new arrays.
+
+The arithmetic is the fused kernel's (:func:`~zinf_jax.optim.adam.adam_math`, the bias corrections
+and learning rate computed on the host as for the kernel); the global norm is summed in float32 in
+the program (the host sums in float64), so a clipped step can differ from the streamed one in the
+last bits of the multiplier. A non-finite gradient skips the step (every state and param unchanged)
+as in the streamed step.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from zinf_jax.optim.adam import AdamSpec, adam_math, bias_correction
+from zinf_jax.optim.driver import StreamedOptimizer
+from zinf_jax.optim.kernel import AdamCoefficients
+from zinf_jax.optim.scaling import update_loss_scale
+from zinf_jax.plan.partition import ParamLayout, local_positions
+
+__all__ = ["FusedAdam", "fused_refusal", "to_flat", "from_flat"]
+
+
+def fused_refusal(spec: Any, *, compiled: bool, param_tier: str, opt_tier: str, accumulation: int,
+                  loss_scaling: bool, grad_tier: bool, largest_shard: int, sub_group_size: int) -> str | None:
+    """Why the update cannot run inside the compiled step (``None``: it can)."""
+    if not compiled:
+        return "the streamed engine runs the step"
+    if (param_tier, opt_tier) != ("none", "none"):
+        return f"params on {param_tier!r} and optimizer on {opt_tier!r} (both must be in device memory)"
+    if not isinstance(spec, AdamSpec):
+        return "an optax optimizer (its update runs per sub-group)"
+    if accumulation != 1:
+        return "gradient accumulation"
+    if loss_scaling:
+        return "fp16 loss scaling"
+    if grad_tier:
+        return "a gradient tier"
+    if jax.process_count() != 1:
+        return "a multi-process job"
+    if largest_shard > sub_group_size:
+        return f"sub_group_size {sub_group_size} cuts a shard of {largest_shard} elements"
+    return None
+
+
+def to_flat(lay: ParamLayout, x: jax.Array) -> jax.Array:
+    """A stored-form array as the optimizer's flat form: shard ``i``'s elements, row-major, at ``i * numel``."""
+    if lay.dim is None or lay.kind == "flat":
+        return x.reshape(-1)
+    s, d, n = lay.stored_shape, lay.dim, lay.num_shards
+    x = x.reshape(*s[:d], n, s[d] // n, *s[d + 1:])
+    return jnp.moveaxis(x, d, 0).reshape(-1)
+
+
+def from_flat(lay: ParamLayout, x: jax.Array) -> jax.Array:
+    """Inverse of :func:`to_flat`."""
+    if lay.dim is None or lay.kind == "flat":
+        return x.reshape(lay.stored_shape)
+    s, d, n = lay.stored_shape, lay.dim, lay.num_shards
+    x = x.reshape(n, *lay.shard_shape)
+    return jnp.moveaxis(x, 0, d).reshape(s)
+
+
+class FusedAdam(StreamedOptimizer):
+    """The streamed optimizer of a device tier whose Adam step can also run inside the compiled step.
+
+    Args:
+      mesh: the device mesh.
+      *args, **kwargs: as :class:`~zinf_jax.optim.driver.StreamedOptimizer` (an
+        :class:`~zinf_jax.optim.adam.AdamSpec`, a device tier, no grad tier).
+
+    Raises:
+      ValueError: a shard is cut into several sub-groups (``sub_group_size`` below a shard's size).
+    """
+
+    def __init__(self, *args: Any, mesh: Mesh, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        if any(n != 1 for n in self._nch.values()):
+            raise ValueError("FusedAdam needs one sub-group per shard (raise sub_group_size)")
+        self.mesh = mesh
+        self._cache: dict[str, tuple[tuple[int, ...], jax.Array]] = {}  # state key -> (tier objects' ids, array)
+        self._pending: dict[str, Any] | None = None  # the metrics of a step the program applied
+        self._positions: dict[str, dict[int, int]] = {}  # per path: local shard index -> addressable_data position
+        self._adopted = -1  # the tier's version after the last adopt
+
+    # --- the state as the program takes it -------------------------------------------
+    def _flat_sharding(self, path: str) -> NamedSharding:
+        lay = self.layouts[path]
+        return NamedSharding(self.mesh, P() if lay.dim is None else P(lay.axes))
+
+    def states(self, paths: Sequence[str]) -> list[list[jax.Array]]:
+        """Per path, its master and the rule's states as global flat arrays (see module doc)."""
+        if self.tier.version == self._adopted:  # nothing else wrote the tier since the last step's states
+            return [[self._cache[f"{name}/{path}"][1] for name in self._names[path]] for path in paths]
+        out = []
+        for path in paths:
+            row = []
+            for name in self._names[path]:
+                key = f"{name}/{path}"
+                objs = [self.tier.current(key, i) for i in self._local[path]]
+                hit = self._cache.get(key)
+                if hit is None or hit[0] != tuple(map(id, objs)):
+                    hit = self._cache[key] = (tuple(map(id, objs)), self._assemble(path, objs))
+                row.append(hit[1])
+            out.append(row)
+        return out
+
+    def _assemble(self, path: str, shards: Sequence[Any]) -> jax.Array:
+        """The global flat array of a state from the tier's shards (a copy: only when the tier was written else)."""
+        host = np.concatenate([np.asarray(s).reshape(-1) for s in shards])
+        return jax.make_array_from_callback(host.shape, self._flat_sharding(path), lambda idx: host[idx])
+
+    def adopt(self, paths: Sequence[str], states: Sequence[Sequence[jax.Array]]) -> None:
+        """Makes the program's new states the tier's shards (no copy), and remembers them as the next step's inputs."""
+        items = []
+        for path, row in zip(paths, states):
+            pos = self._positions.get(path)
+            if pos is None:  # the flat form's shard i is the layout's shard i: the same devices
+                pos = self._positions[path] = local_positions(self.layouts[path], self.mesh, row[0])
+            for name, arr in zip(self._names[path], row):
+                objs = [arr.addressable_data(pos[i]) for i in self._local[path]]
+                items += [(f"{name}/{path}", i, x) for i, x in zip(self._local[path], objs)]
+                self._cache[f"{name}/{path}"] = (tuple(map(id, objs)), arr)
+        self.tier.put_arrays(items)
+        self._adopted = self.tier.version
+
+    # --- the step's arithmetic, traced inside the compiled program -------------------------
+    def scalars(self) -> tuple[np.float32, np.float32, np.float32]:
+        """This step's learning rate and bias corrections, as the kernel computes them (program arguments)."""
+        sp, t = self.spec, self._count + 1
+        return np.float32(self.rule.lr_at(self._count)), bias_correction(sp.b1, t), bias_correction(sp.b2, t)
+
+    def update(self, paths: Sequence[str], grads: Sequence[jax.Array], states: Sequence[Sequence[jax.Array]],
+               scalars: Sequence[jax.Array]) -> tuple[list[jax.Array], list[list[jax.Array]], jax.Array, jax.Array]:
+        """One step inside the program: stored-form float32 gradients in; new stored-form float32 masters, new
+        flat states, the global norm and whether it was finite out (not finite: everything as it was)."""
+        sp = self.spec
+        lr, bc1, bc2 = scalars
+        flat_g = [to_flat(self.layouts[p], g.astype(jnp.float32)) for p, g in zip(paths, grads)]
+        norm = jnp.sqrt(sum((jnp.sum(g * g) for g in flat_g), jnp.float32(0)))
+        finite = jnp.isfinite(norm)
+        mult = jnp.float32(1)
+        if sp.clip_norm is not None:
+            mult = jnp.where(norm < sp.clip_norm, jnp.float32(1), jnp.float32(sp.clip_norm) / norm)
+        mult = jnp.where(finite, mult, jnp.float32(0))
+        f = np.float32
+        masters, new_states = [], []
+        for path, g, row in zip(paths, flat_g, states):
+            lay = self.layouts[path]
+            c = AdamCoefficients(grad_scale=mult, b1=f(sp.b1), one_minus_b1=f(1.0 - sp.b1), b2=f(sp.b2),
+                                 one_minus_b2=f(1.0 - sp.b2), bias_correction1=bc1, bias_correction2=bc2,
+                                 eps=f(sp.eps), eps_root=f(sp.eps_root),
+                                 weight_decay=f(sp.decay_for(path, lay.shape)), neg_lr=-lr)
+            master, m, v = row
+            p2, m2, v2 = adam_math(master, m.astype(jnp.float32), v.astype(jnp.float32), g, c)
+            row2 = [jnp.where(finite, p2, master), jnp.where(finite, m2.astype(m.dtype), m),
+                    jnp.where(finite, v2.astype(v.dtype), v)]
+            row2 = [jax.lax.with_sharding_constraint(x, self._flat_sharding(path)) for x in row2]
+            new_states.append(row2)
+            masters.append(from_flat(lay, row2[0]))
+        return masters, new_states, norm, finite
+
+    def applied(self, norm: float, finite: bool, lr: float, seconds: float) -> None:
+        """Records a step the program took (counters now; :meth:`step` reports it)."""
+        self._scaler = update_loss_scale(self._scaler, not finite, **self._ls)
+        if finite:
+            self._count += 1
+        self._skipped += not finite
+        self.rule.end_step(applied=finite)
+        self.last_stats = {"in_program": 1.0, "total_s": seconds}
+        self._pending = {"grad_norm": float(norm), "skipped": not finite,
+                         "loss_scale": self.loss_scale, "step": self._count, "lr": float(lr)}
+
+    def step(self, grad: Callable, write_param: Callable, on_written: Callable[[str], None] | None = None) -> dict:
+        """The step the program applied (its metrics), or else a streamed step (see the base class)."""
+        if self._pending is not None:
+            out, self._pending = self._pending, None
+            return out
+        return super().step(grad, write_param, on_written=on_written)
