@@ -2,8 +2,9 @@
 
 Two models a CPU-mesh test suite trains: an NNX U-Net (channels 8 -> 128 -> 8 at 32 x 32, a skip
 connection across every level, ~10 units, batch 8) and a 2-layer GPT of width 32 (batch 8 x 16).
-Each against ``jit(value_and_grad)`` + ``optax.adamw`` on the unwrapped model on the same 8-device
-CPU mesh; zinf with params and optimizer in host RAM (``cpu``), compiled and streamed, and ``fused``: the
+Each against ``jit(value_and_grad)`` + ``optax.adamw`` on the unwrapped model, on one device and
+data-parallel on the same 8-device CPU mesh (``plain_mesh``; each of the 8 simulated devices runs its
+program on the 2 cores, so a small model's step is dominated by the devices' synchronisation); zinf with params and optimizer in host RAM (``cpu``), compiled and streamed, and ``fused``: the
 compiled engine with both in device memory (``none``), whose update runs inside the step's program; at the
 default ``persistence_threshold`` (``--threshold 0``: every parameter sharded and gathered). Reps
 interleave the runners; medians of per-rep ratios. JSON under ``results/bench_small.json``.
@@ -31,6 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import zinf_jax as zinf  # noqa: E402
 from zinf_jax.models import GPT, GPTConfig, batch_at, corpus, lm_loss  # noqa: E402
@@ -78,11 +80,18 @@ def unet_loss(model, batch):
     return jnp.mean((model(x) - y) ** 2)
 
 
-def plain(ctor, loss_fn):
+def plain(ctor, loss_fn, mesh=None):
+    """The plain step: on one device, or (``mesh``) data-parallel on the mesh zinf uses (params and optimizer
+    state replicated, the batch split over the devices, as ``bench_step.py``'s plain step)."""
     model = ctor()
     gdef, params, rest = nnx.split(model, nnx.Param, ...)
     tx = optax.adamw(LR, weight_decay=0.0)
     st = {"p": params, "o": tx.init(params)}
+    place = lambda b: b  # noqa: E731
+    if mesh is not None:
+        rep = NamedSharding(mesh, P())
+        st, rest = jax.device_put((st, rest), rep)
+        place = lambda b: jax.device_put(b, NamedSharding(mesh, P(mesh.axis_names)))  # noqa: E731
 
     @jax.jit
     def step(p, o, b):
@@ -91,7 +100,7 @@ def plain(ctor, loss_fn):
         return optax.apply_updates(p, upd), o, value
 
     def run(b):
-        st["p"], st["o"], value = step(st["p"], st["o"], b)
+        st["p"], st["o"], value = step(st["p"], st["o"], jax.tree.map(place, b))
         return value
 
     return run
@@ -108,8 +117,8 @@ def engine(ctor, loss_fn, mode, threshold):
 
 
 def bench(name, ctor, loss_fn, batches, args) -> dict:
-    runners = {"plain": plain(ctor, loss_fn)}
     engines = {m: engine(ctor, loss_fn, m, args.threshold) for m in ("fused", "compiled", "streamed")}
+    runners = {"plain": plain(ctor, loss_fn), "plain_mesh": plain(ctor, loss_fn, engines["fused"].mesh)}
     units = len(engines["compiled"].adapter.units)
     for m, eng in engines.items():
         runners[m] = lambda b, eng=eng: eng.train_step(b)["loss"]
@@ -129,7 +138,9 @@ def bench(name, ctor, loss_fn, batches, args) -> dict:
         eng.close()
     return {"units": units, "median_s": {k: statistics.median(v) for k, v in times.items()},
             "ratio_vs_plain": {k: statistics.median([a / b for a, b in zip(v, times["plain"])])
-                               for k, v in times.items() if k != "plain"}, "times_s": times}
+                               for k, v in times.items() if k != "plain"},
+            "ratio_vs_plain_mesh": {k: statistics.median([a / b for a, b in zip(v, times["plain_mesh"])])
+                                    for k, v in times.items() if not k.startswith("plain")}, "times_s": times}
 
 
 def main() -> None:
@@ -155,7 +166,8 @@ def main() -> None:
                                     cwd=REPO).stdout.strip()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=1))
-    print(json.dumps({k: v["ratio_vs_plain"] for k, v in res.items() if isinstance(v, dict)}, indent=1))
+    print(json.dumps({k: {"vs_plain_one_device": v["ratio_vs_plain"], "vs_plain_on_the_mesh": v["ratio_vs_plain_mesh"]}
+                      for k, v in res.items() if isinstance(v, dict)}, indent=1))
     print(f"wrote {args.out}")
 
 

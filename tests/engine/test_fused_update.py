@@ -11,7 +11,7 @@ from flax import nnx
 import zinf_jax as zinf
 from helpers.engine_utils import optax_run
 from zinf_jax.models import GPT, GPTConfig, batch_at, corpus, lm_loss
-from zinf_jax.optim.fused import FusedAdam
+from zinf_jax.optim.fused import FusedAdam, fused_refusal
 
 CFG = GPTConfig(vocab=256, d_model=32, n_heads=4, n_layers=2, seq=16)
 DATA = corpus()
@@ -132,11 +132,10 @@ def test_a_non_finite_gradient_skips_the_step_in_the_program():
     eng.close()
 
 
-@pytest.mark.parametrize("then", [{}, dict(opt="cpu"), dict(engine="streamed")],
-                         ids=["fused", "host-update", "streamed-engine"])
+@pytest.mark.parametrize("then", [dict(opt="cpu"), dict(engine="streamed")], ids=["host-update", "streamed-engine"])
 def test_a_fused_checkpoint_continues_anywhere_and_back(tmp_path, then):
-    """Saved by the fused engine after 3 steps, restored fused, with the update on the host, or in the streamed
-    engine: the next 3 steps as the fused engine's own (rtol 1e-6); and saved there, restored fused again."""
+    """Saved by the fused engine after 3 steps, restored with the update on the host or in the streamed engine:
+    the next 3 steps as the fused engine's own (rtol 1e-6); and saved there, restored fused again."""
     a = zinf.initialize(ctor, config=config(), loss_fn=lm_loss, optimizer=adamw())
     for b in batches(3):
         a.train_step(b)
@@ -156,11 +155,16 @@ def test_a_fused_checkpoint_continues_anywhere_and_back(tmp_path, then):
 
 
 def test_what_keeps_the_update_on_the_host():
-    """Accumulation, an optax optimizer, fp16 loss scaling: the streamed update over the device tier, as before."""
-    for kw, opt in [(dict(gradient_accumulation_steps=2), adamw()), ({}, optax.adamw(LR)),
-                    (dict(compute_dtype="float16"), adamw())]:
-        eng = zinf.initialize(ctor, config=config(**kw), loss_fn=lm_loss, optimizer=opt)
-        assert not isinstance(eng.optimizer, FusedAdam), kw
-        m = eng.train_step(batches(1, batch=16)[0] if kw.get("gradient_accumulation_steps") else batches(1)[0])
-        assert "optimizer_in_program" not in m["time_split"]
-        eng.close()
+    """Accumulation, an optax optimizer, fp16 loss scaling, other tiers, the streamed engine, a multi-process job,
+    a cut shard: the streamed update, as before (each is trained that way by the engine's other tests)."""
+    base = dict(compiled=True, param_tier="none", opt_tier="none", accumulation=1, loss_scaling=False,
+                grad_tier=False, largest_shard=100, sub_group_size=1000)
+    assert fused_refusal(adamw(), **base) is None
+    for change, reason in [(dict(accumulation=2), "accumulation"), (dict(loss_scaling=True), "loss scaling"),
+                           (dict(opt_tier="cpu"), "device memory"), (dict(compiled=False), "streamed"),
+                           (dict(grad_tier=True), "gradient tier"), (dict(sub_group_size=10), "cuts a shard")]:
+        assert reason in fused_refusal(adamw(), **{**base, **change}), change
+    assert "optax" in fused_refusal(optax.adamw(LR), **base)
+    eng = zinf.initialize(ctor, config=config(gradient_accumulation_steps=2), loss_fn=lm_loss, optimizer=adamw())
+    assert not isinstance(eng.optimizer, FusedAdam)
+    eng.close()
