@@ -33,7 +33,10 @@ the checkpoints (one format: a checkpoint saved by one restores into the other) 
 shards: each unit call stages its shards to device memory and gathers them inside the program,
 under ``jax.checkpoint`` at the unit boundary; a run of alike unit calls (a transformer's blocks) is
 one ``lax.scan`` over their stacked shards, so the program's size and device memory do not grow
-with depth ([Note: scanned runs]); XLA schedules the whole step. The *streamed* engine
+with depth ([Note: scanned runs]); XLA schedules the whole step. With params and optimizer state
+both in device memory (and zinf's Adam), the optimizer step is part of that program too
+(:mod:`zinf_jax.optim.fused`: the sink then stays empty, and the stepper's optimizer step only
+reports what the program applied). The *streamed* engine
 (:mod:`~zinf_jax.engine.streamed`) interprets it eagerly, because a parameter on nvme must be read
 between two unit programs. The parts below ``Components`` receive one of them as ``passes``.
 

@@ -502,8 +502,13 @@ class CompiledModel:
 
     def lower(self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array], *, has_aux: bool,
               loss_scale: float = 1.0) -> jax.stages.Lowered:
-        """The training step's program for ``batch`` (forward, backward, gradients out), lowered."""
+        """The training step's program for ``batch`` (forward, backward, gradients out; with :attr:`fused`, the
+        optimizer step too), lowered."""
         traced, slots, args = self._train_args(loss_fn, batch, glue, loss_scale)
+        if self.fused is not None:  # the program train_step runs: the optimizer step in it
+            full = (*args, self.fused.states(self._fused_paths(slots)[2]), self.fused.scalars())
+            return self._compiled(traced, ("fused", has_aux), lambda: self._fused_program(traced, slots, has_aux),
+                                  full)[0]
         return self._compiled(traced, ("train", has_aux), lambda: self._train_program(traced, slots, has_aux), args)[0]
 
     def forward_backward(
