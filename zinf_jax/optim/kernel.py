@@ -124,20 +124,25 @@ if NUMBA_AVAILABLE:
         for i in range(p.shape[0]):
             _adam_elem(p, m, v, g, gs, b1, omb1, b2, omb2, bc1, bc2, eps, eps_root, wd, neg_lr, i)
 
+    def _square_body(x, i):
+        xi = np.float64(x[i])
+        return xi * xi
+
+    _square_elem = njit(inline="always", fastmath={"reassoc", "contract", "nsz"}, error_model="numpy",
+                        cache=True)(_square_body)
+
     @njit(parallel=True, nogil=True, fastmath={"reassoc", "contract", "nsz"}, error_model="numpy", cache=True)
     def _sum_squares_nb(x):
         acc = 0.0
         for i in prange(x.shape[0]):
-            xi = np.float64(x[i])
-            acc += xi * xi
+            acc += _square_elem(x, i)
         return acc
 
     @njit(nogil=True, fastmath={"reassoc", "contract", "nsz"}, error_model="numpy", cache=True)
-    def _sum_squares_serial_nb(x):
+    def _sum_squares_serial_nb(x):  # the same element arithmetic, no thread-pool launch
         acc = 0.0
         for i in range(x.shape[0]):
-            xi = np.float64(x[i])
-            acc += xi * xi
+            acc += _square_elem(x, i)
         return acc
 
     @njit(parallel=True, nogil=True, fastmath={"reassoc", "nsz"}, error_model="numpy", cache=True)
