@@ -13,8 +13,10 @@ thread is (a collective waiting for the dead peer never returns). Nothing half-w
 taken for a checkpoint: a save in flight is a ``.tmp_step_*`` directory until it is complete, and
 ``--resume`` removes it and continues from the last complete one.
 
-If process 0 itself is lost, the service goes with it: the others' reads fail, and after a few
-failed polls in a row the watch names process 0 (the coordinator) the same way.
+If process 0 itself is lost, the service goes with it. In JAX 0.10.2 each other process's client then
+aborts it at once from C++ (exit 134, JAX's own "service detected fatal errors" line) before any Python
+runs; only where a client does not, the watch's reads fail and after three failed polls it names
+process 0 (the coordinator) the same way.
 """
 from __future__ import annotations
 

@@ -65,7 +65,6 @@ class ParamStore:
         self.local_indices = local_indices_of(self.layouts, mesh)
         """``local_indices(path)``: shard indices of ``path`` this process stores."""
         self._writes: dict[str, int] = {}  # per path: writes so far (see :meth:`writes`)
-        self._positions: dict[str, dict[int, int]] = {}  # per path: local shard index -> addressable_data position
         for path, lay in self.layouts.items():
             if path in self.master_paths:
                 continue
@@ -106,9 +105,7 @@ class ParamStore:
             if path in self.master_paths:  # See [Note: shared fp32 master]
                 continue
             self._writes[path] = self._writes.get(path, 0) + 1
-            pos = self._positions.get(path)
-            if pos is None:
-                pos = self._positions[path] = local_positions(self.layouts[path], self.mesh, arr)
+            pos = local_positions(self.layouts[path], self.mesh, arr)
             items += [(path, i, arr.addressable_data(k)) for i, k in pos.items()]
         self.tier.put_arrays(items)
 

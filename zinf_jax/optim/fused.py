@@ -99,7 +99,6 @@ class FusedAdam(StreamedOptimizer):
         self.mesh = mesh
         self._cache: dict[str, tuple[tuple[int, ...], jax.Array]] = {}  # state key -> (tier objects' ids, array)
         self._pending: dict[str, Any] | None = None  # the metrics of a step the program applied
-        self._positions: dict[str, dict[int, int]] = {}  # per path: local shard index -> addressable_data position
         self._adopted = -1  # the tier's version after the last adopt
 
     # --- the state as the program takes it -------------------------------------------
@@ -133,9 +132,7 @@ class FusedAdam(StreamedOptimizer):
         """Makes the program's new states the tier's shards (no copy), and remembers them as the next step's inputs."""
         items = []
         for path, row in zip(paths, states):
-            pos = self._positions.get(path)
-            if pos is None:  # the flat form's shard i is the layout's shard i: the same devices
-                pos = self._positions[path] = local_positions(self.layouts[path], self.mesh, row[0])
+            pos = local_positions(self.layouts[path], self.mesh, row[0])  # flat shard i: the layout's shard i
             for name, arr in zip(self._names[path], row):
                 objs = [arr.addressable_data(pos[i]) for i in self._local[path]]
                 items += [(f"{name}/{path}", i, x) for i, x in zip(self._local[path], objs)]

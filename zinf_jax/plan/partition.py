@@ -447,15 +447,22 @@ def split_local(layout: ParamLayout, mesh: Mesh, array: jax.Array) -> dict[int, 
 def local_positions(layout: ParamLayout, mesh: Mesh, array: jax.Array) -> dict[int, int]:
     """For each local shard index, the position ``k`` of one device holding it in ``array.addressable_data(k)``.
 
-    The same for every array of ``layout``'s sharding: callers that split many arrays keep it, and
-    then take each shard as ``array.addressable_data(k)`` (no per-shard objects, as
-    :func:`split_local` builds).
+    The same for every array of one sharding, so it is worked out once per sharding (kept here);
+    a caller that splits many arrays then takes each shard as ``array.addressable_data(k)`` (no
+    per-shard objects, as :func:`split_local` builds).
     """
-    index = _index_of_device(mesh, layout.axes)
-    out: dict[int, int] = {}
-    for k, s in enumerate(array.addressable_shards):
-        out.setdefault(0 if layout.dim is None else index[s.device], k)
-    return dict(sorted(out.items()))
+    key = (mesh, layout.axes, layout.dim is None, array.sharding)
+    hit = _POSITIONS.get(key)
+    if hit is None:
+        index = _index_of_device(mesh, layout.axes)
+        out: dict[int, int] = {}
+        for k, s in enumerate(array.addressable_shards):
+            out.setdefault(0 if layout.dim is None else index[s.device], k)
+        hit = _POSITIONS[key] = dict(sorted(out.items()))
+    return hit
+
+
+_POSITIONS: dict[tuple, dict[int, int]] = {}  # see local_positions
 
 
 @functools.lru_cache(maxsize=64)
