@@ -24,6 +24,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from typing import Callable
 
 __all__ = ["PeerWatch", "EXIT_PEER_LOST", "enable_recovery", "last_checkpoint_phrase"]
@@ -33,6 +34,7 @@ EXIT_PEER_LOST = 75
 restart the job with ``--resume``)."""
 
 _KEY = "zinf-jax/peer/"
+_STOPPING = "zinf-jax/stopping/"
 
 
 def enable_recovery() -> None:
@@ -114,7 +116,8 @@ class PeerWatch:
             lost = [i for i in everyone if i not in live]
             if lost:
                 self._stop(lost, f"it stopped answering the job's heartbeats for --peer-timeout "
-                                 f"{self.peer_timeout} s (killed, out of memory, crashed, or its host is gone)")
+                                 f"{self.peer_timeout} s (killed, out of memory, crashed, or its host is gone)",
+                           client)
 
     def _learn(self, client) -> None:
         """Reads every process's host and pid from the key-value store (once all have published them)."""
@@ -126,7 +129,7 @@ class PeerWatch:
         except Exception:  # noqa: BLE001 - the names are for the message only
             pass
 
-    def _stop(self, lost: list[int], why: str) -> None:
+    def _stop(self, lost: list[int], why: str, client=None) -> None:
         if self._done.is_set():
             return
         who = ", ".join(f"process {i}" + (f" ({self._peers[i]})" if i in self._peers else "") for i in lost)
@@ -142,7 +145,34 @@ class PeerWatch:
                     write(line)
                 except (OSError, ValueError):
                     pass
+        if client is not None:
+            self._leave_in_order(client, lost)
         os._exit(EXIT_PEER_LOST)
+
+    def _leave_in_order(self, client, lost: list[int]) -> None:
+        """Process 0 hosts the service: it leaves last, so no survivor's client sees the service vanish first.
+
+        A survivor whose client loses the service before its own watch has seen the lost peer is
+        aborted from C++ (``SIGABRT``, no line). So each survivor says it is stopping (a key) before
+        it exits, and process 0 waits for every survivor's key — or for it to leave the live set —
+        for at most ``peer_timeout`` + 3 polls — and then half a second more (a survivor exits right
+        after its key is set; this process's exit must come after).
+        """
+        try:
+            if self.index != 0:
+                client.key_value_set(f"{_STOPPING}{self.index}", "1")
+                return
+            waiting = set(range(1, self.count)) - set(lost)
+            deadline = time.monotonic() + self.peer_timeout + 3 * self._poll_s
+            while waiting and time.monotonic() < deadline:
+                said = {int(key.rsplit("/", 1)[-1]) for key, _ in client.key_value_dir_get(_STOPPING)}
+                waiting -= said
+                if waiting:
+                    waiting &= set(client.get_live_nodes(list(range(self.count))))
+                time.sleep(min(self._poll_s, 0.1))
+            time.sleep(0.5)
+        except Exception:  # noqa: BLE001 - the service is failing anyway; stop as promised
+            pass
 
     @staticmethod
     def _stderr(line: str) -> None:
