@@ -14,11 +14,16 @@ from zinf_jax.models import GPT, GPTConfig, batch_at, corpus, lm_loss
 STEPS = 3
 
 
-def _run_two(tmp_path, tiers):
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """One 2-process x 4-device job that trains the compiled engine (cpu tiers), then the streamed one (nvme):
+    ``({tiers: [per-process results]}, its work dir)``."""
+    work = tmp_path_factory.mktemp("two")
+    (work / "nvme").mkdir()
     port = str(free_port())
-    (tmp_path / "nvme").mkdir()
-    return last_json(start([[str(WORKERS / "mp_worker.py"), str(i), "2", port, str(tmp_path / "nvme"), str(STEPS),
-                             tiers] for i in range(2)], job_env()))
+    outs = last_json(start([[str(WORKERS / "mp_worker.py"), str(i), "2", port, str(work), str(STEPS), "cpu,nvme"]
+                            for i in range(2)], job_env(jax_cache=True)))
+    return {tiers: [o[tiers] for o in outs] for tiers in ("cpu", "nvme")}, work
 
 
 def _single(tiers):
@@ -33,27 +38,27 @@ def _single(tiers):
     return single
 
 
-def test_two_processes_compiled_match_single_process(tmp_path):
+def test_two_processes_compiled_match_single_process(two_processes):
     """The compiled engine (params and optimizer in host RAM) as a 2-process job: one program over both."""
-    outs = _run_two(tmp_path, "cpu")
+    outs = two_processes[0]["cpu"]
     assert [o["mode"] for o in outs] == ["compiled", "compiled"]
     assert outs[0]["losses"] == outs[1]["losses"]
     np.testing.assert_allclose(outs[0]["losses"], _single("cpu"), rtol=1e-5)
 
 
-def test_two_processes_match_single_process(tmp_path):
-    outs = _run_two(tmp_path, "nvme")
+def test_two_processes_match_single_process(two_processes):
+    outs, work = two_processes[0]["nvme"], two_processes[1] / "nvme"
     assert [o["mode"] for o in outs] == ["streamed", "streamed"]
     assert [o["devices"] for o in outs] == [8, 8] and [o["local"] for o in outs] == [4, 4]
     # each process keeps its own directory (its host's NVMe) for params and optimizer state
     assert outs[0]["manifests"] == ["optimizer/process_0/MANIFEST.json", "optimizer/process_1/MANIFEST.json",
                                     "params/process_0/MANIFEST.json", "params/process_1/MANIFEST.json"]
     # (fp32 on nvme: the trained params' one copy is the optimizer's master)
-    man = json.loads((tmp_path / "nvme" / "optimizer" / "process_1" / "MANIFEST.json").read_text())
+    man = json.loads((work / "optimizer" / "process_1" / "MANIFEST.json").read_text())
     sharded = [v["local"] for v in man["keys"].values() if v["spec"]["num_shards"] == 8]
     assert sharded and all(loc == [4, 5, 6, 7] for loc in sharded)  # only its addressable shards
     from zinf_jax.app.inspect import inspect_dir
-    text = inspect_dir(tmp_path / "nvme")
+    text = inspect_dir(work)
     assert "optimizer: 2 processes; every shard of its" in text and "held by exactly one of them" in text
     assert outs[0]["losses"] == outs[1]["losses"]
     np.testing.assert_allclose(outs[0]["losses"], _single("nvme"), rtol=1e-5)

@@ -45,10 +45,10 @@ def reference_run(steps):
     return optax_run(ctor(), tx, batches(steps))
 
 
-def test_30_steps_match_jit_optax_on_nvme(tmp_path):
-    ref_losses, ref_params = reference_run(30)
+def test_15_steps_match_jit_optax_on_nvme(tmp_path):
+    ref_losses, ref_params = reference_run(15)
     eng = engine(tmp_path)
-    losses = [eng.train_step(b)["loss"] for b in batches(30)]
+    losses = [eng.train_step(b)["loss"] for b in batches(15)]
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     got = flat_params(eng.params())
     for path, r in ref_params.items():

@@ -1,20 +1,23 @@
 """One process of a 2-process jax.distributed job on CPU (4 devices each): trains a few zinf steps
-(the first half with ``train_step``, the rest with ``train_steps``).
+(the first half with ``train_step``, the rest with ``train_steps``) once per tier, one engine after the other.
 
 Usage: python mp_worker.py PROCESS_ID NUM_PROCESSES PORT WORKDIR STEPS [TIERS]
-TIERS: ``nvme`` (default; the streamed engine) or ``cpu`` (params and optimizer in host RAM: the compiled engine).
-Prints one JSON line: {"process": i, "losses": [...], "files": [...]}.
+TIERS: comma-separated, each ``nvme`` (the streamed engine) or ``cpu`` (params and optimizer in host RAM: the
+compiled engine); default ``nvme``.
+Prints one JSON line: {tier: {"process": i, "mode": ..., "losses": [...], "manifests": [...], ...}}.
 """
 import json
 import os
 import sys
 
 pid, nproc, port, workdir, steps = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
-tiers = sys.argv[6] if len(sys.argv) > 6 else "nvme"
+tiers_list = (sys.argv[6] if len(sys.argv) > 6 else "nvme").split(",")
 os.environ["JAX_NUM_CPU_DEVICES"] = "4"
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax  # noqa: E402
 
+if os.environ.get("ZINF_TEST_JAX_CACHE"):  # the test session's compilation cache
+    jax.config.update("jax_compilation_cache_dir", os.environ["ZINF_TEST_JAX_CACHE"])
 jax.distributed.initialize(f"localhost:{port}", num_processes=nproc, process_id=pid)
 
 from flax import nnx  # noqa: E402
@@ -23,10 +26,6 @@ import zinf_jax as zinf  # noqa: E402
 from zinf_jax.models import GPT, GPTConfig, batch_at, corpus, lm_loss  # noqa: E402
 
 cfg = GPTConfig(vocab=256, d_model=32, n_heads=4, n_layers=2, seq=16)
-off = zinf.Offload("nvme", path=workdir) if tiers == "nvme" else zinf.Offload(tiers)
-eng = zinf.initialize(lambda: GPT(cfg, rngs=nnx.Rngs(0)), loss_fn=lm_loss,
-                      config=zinf.ZeroConfig(offload_param=off, offload_optimizer=off, persistence_threshold=600),
-                      optimizer=zinf.adamw(3e-3, weight_decay=0.1, clip_norm=1.0))
 data = corpus()
 
 
@@ -34,13 +33,23 @@ def local(s):
     return batch_at(data, s, 8, cfg.seq)[pid * 4:(pid + 1) * 4]  # each process feeds its half of the global batch
 
 
-half = steps // 2  # then the same steps with the optimizer overlapped with the next forward: the same numbers
-mode = eng.mode
-losses = [eng.train_step(local(s))["loss"] for s in range(half)]
-losses += [m["loss"] for m in eng.train_steps(local(s) for s in range(half, steps))]
-eng.close()
-files = sorted(os.path.relpath(os.path.join(r, f), workdir) for r, _, fs in os.walk(workdir) for f in fs
-               if f == "MANIFEST.json")
-print(json.dumps({"process": pid, "mode": mode, "losses": losses, "manifests": files, "devices": jax.device_count(),
-                  "local": jax.local_device_count()}), flush=True)
+def run(tiers):
+    """Trains ``steps`` steps with params and optimizer on ``tiers``: what this process saw."""
+    work = os.path.join(workdir, tiers)  # (exists for nvme: the test made it)
+    off = zinf.Offload("nvme", path=work) if tiers == "nvme" else zinf.Offload(tiers)
+    eng = zinf.initialize(lambda: GPT(cfg, rngs=nnx.Rngs(0)), loss_fn=lm_loss,
+                          config=zinf.ZeroConfig(offload_param=off, offload_optimizer=off, persistence_threshold=600),
+                          optimizer=zinf.adamw(3e-3, weight_decay=0.1, clip_norm=1.0))
+    half = steps // 2  # then the same steps with the optimizer overlapped with the next forward: the same numbers
+    mode = eng.mode
+    losses = [eng.train_step(local(s))["loss"] for s in range(half)]
+    losses += [m["loss"] for m in eng.train_steps(local(s) for s in range(half, steps))]
+    eng.close()
+    files = sorted(os.path.relpath(os.path.join(r, f), work) for r, _, fs in os.walk(work) for f in fs
+                   if f == "MANIFEST.json")
+    return {"process": pid, "mode": mode, "losses": losses, "manifests": files, "devices": jax.device_count(),
+            "local": jax.local_device_count()}
+
+
+print(json.dumps({tiers: run(tiers) for tiers in tiers_list}), flush=True)
 jax.distributed.shutdown()
