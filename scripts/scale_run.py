@@ -12,7 +12,8 @@ JAX starts). It measures, side by side in the same run:
   wait, update, write wait), bytes read and written per tier, and the time
   those bytes need at raw disk bandwidth (the I/O bound of the step);
 * peak RSS growth over the post-import baseline (sampled every 50 ms, and
-  ``VmHWM``), bytes on disk (``du``) per parameter;
+  ``VmHWM``) — for the whole run, for init, and per step for its forward+backward and its
+  optimizer (cut at the step's ``forward_backward_s``) — and bytes on disk (``du``) per parameter;
 * the memory estimate (:func:`zinf_jax.estimate_from_sizes`) next to them;
 * optionally (``--cpu-ref-layers``) the compute time of the same step with both
   tiers on cpu, measured at a depth that fits in RAM and scaled linearly in depth
@@ -48,15 +49,22 @@ def _rss() -> int:
 
 
 class RssSampler:
-    """Peak RSS since :meth:`reset`, sampled on a thread (the kernel's VmHWM is reset too)."""
+    """Peak RSS since :meth:`reset`, sampled on a thread (the kernel's VmHWM is reset too), and the samples."""
 
     def __init__(self, interval: float = 0.05):
         self.interval, self.peak, self._stop = interval, 0, threading.Event()
+        self.samples: list[tuple[float, int]] = []  # (perf_counter, rss)
         threading.Thread(target=self._run, daemon=True).start()
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            self.peak = max(self.peak, _rss())
+            rss = _rss()
+            self.samples.append((time.perf_counter(), rss))
+            self.peak = max(self.peak, rss)
+
+    def peak_between(self, t0: float, t1: float) -> int:
+        """The highest RSS sampled in ``[t0, t1]`` (0 if none)."""
+        return max((r for t, r in self.samples if t0 <= t <= t1), default=0)
 
     def reset(self) -> None:
         with open("/proc/self/clear_refs", "w") as f:
@@ -98,20 +106,32 @@ def _io(engine) -> dict[str, tuple[int, int]]:
     return {k: (getattr(t, "bytes_read", 0), getattr(t, "bytes_written", 0)) for k, t in _tiers(engine).items() if t}
 
 
-def _steps(engine, data, cfg, args, raw: dict) -> list[dict]:
+def _phases(sampler: RssSampler, t0: float, t1: float, split: dict, base: int) -> dict[str, int]:
+    """Peak RSS growth over ``base`` in the step's forward+backward and in its optimizer (by the step's time split)."""
+    fb_end = min(t0 + split.get("forward_backward_s", 0.0), t1)
+    return {"forward_backward": sampler.peak_between(t0, fb_end) - base,
+            "optimizer": sampler.peak_between(fb_end, t1) - base}
+
+
+def _steps(engine, data, cfg, args, raw: dict, sampler: RssSampler, base: int) -> list[dict]:
     from zinf_jax.models import batch_at
 
     out = []
     for s in range(args.steps):
         before = _io(engine)
-        m = engine.train_step(batch_at(data, s, args.batch, cfg.seq))
+        batch = batch_at(data, s, args.batch, cfg.seq)
+        t0 = time.perf_counter()
+        m = engine.train_step(batch)
+        t1 = time.perf_counter()
         after = _io(engine)
         rd = {k: after[k][0] - before[k][0] for k in after}
         wr = {k: after[k][1] - before[k][1] for k in after}
         io_s = sum(rd.values()) / (raw["read_GBps"] * GB) + sum(wr.values()) / (raw["write_GBps"] * GB)
         out.append({"step": s + 1, "loss": m["loss"], "step_time_s": m["step_time_s"], "time_split": m["time_split"],
-                    "bytes_read": rd, "bytes_written": wr, "io_bound_s": io_s})
-        print(f"step {s + 1}: loss {m['loss']:.4f} {m['step_time_s']:.1f} s (io bound {io_s:.1f} s) "
+                    "bytes_read": rd, "bytes_written": wr, "io_bound_s": io_s,
+                    "rss_growth": _phases(sampler, t0, t1, m["time_split"], base)})
+        print(f"step {s + 1}: loss {m['loss']:.4f} {m['step_time_s']:.1f} s (io bound {io_s:.1f} s) RSS +GiB "
+              f"{json.dumps({k: round(v / GiB, 2) for k, v in out[-1]['rss_growth'].items()})} "
               f"{json.dumps({k: round(v, 2) for k, v in m['time_split'].items() if isinstance(v, float)})}", flush=True)
     return out
 
@@ -271,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{n / 1e9:.2f}B params; init {init_s:.1f} s, {init_bytes / GB:.1f} GB "
               f"({result['init']['ratio_to_raw_write']:.2f}x raw write), RSS +{init_peak / GiB:.2f} GiB", flush=True)
         result["init"]["create_unit"] = create_bound(eng, init_bytes, raw)
-        result["steps"] = _steps(eng, corpus(), cfg, args, raw)
+        result["steps"] = _steps(eng, corpus(), cfg, args, raw, sampler, base)
         result["rss_growth"] = sampler.read() - base
         eng.close()
         disk = _du(root)

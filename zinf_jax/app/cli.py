@@ -15,11 +15,16 @@ import math
 import os
 import sys
 
+from zinf_jax._internal import native_memory
 from zinf_jax.app.interrupts import StopRequest
 from zinf_jax.config.zero import MOMENTS_DTYPES
 from zinf_jax.errors import Interrupted, NonFiniteLossError, ZinfError
 
 __all__ = ["main", "make_parser", "field_docs", "EXAMPLES"]
+
+ARENAS = 2
+"""glibc malloc arenas a ``zinf-jax`` process keeps (unless ``MALLOC_ARENA_MAX`` says otherwise): with the
+default (8 per core) the soak's RSS crept up ~100 MB over 2,000 steps in freed fragments; see ``scripts/soak.py``."""
 
 
 EXAMPLES = """examples:
@@ -147,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     :mod:`zinf_jax.app.interrupts`), so no interrupt can land inside compilation.
     """
     stop = StopRequest(fd=_stderr_fd()).install()
+    native_memory.limit_arenas(ARENAS)  # before XLA's and tensorstore's threads allocate (see the module)
     try:
         return _main(argv, stop)
     finally:

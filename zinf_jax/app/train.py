@@ -30,6 +30,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from zinf_jax._internal import native_memory
 from zinf_jax.api import Engine, close_quietly, initialize, restore
 from zinf_jax.app import rundir
 from zinf_jax.app.checks import check_args, check_batch
@@ -282,6 +283,7 @@ class _Run:
             user = {"data_step": self.data_pos, "optimizer_step": self.engine.step}
             self.saved = self.engine.save(self.ckpt, user_state=user, max_to_keep=self.args.keep or None)
             self.saved_step = self.engine.step
+            native_memory.trim()  # a save's buffers are freed now: hand their pages back (a long run stays flat)
         return self.saved
 
 
