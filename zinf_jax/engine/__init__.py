@@ -14,8 +14,8 @@ The modules, in data-flow order:
   :mod:`~zinf_jax.engine.streamed` (the ``custom_vjp`` hooks: fetch, run, release; backward:
   fetch, recompute, vjp), :mod:`~zinf_jax.engine.compiled` (the same traced loss as one XLA program
   per step; :mod:`~zinf_jax.engine.runs` finds the runs of alike unit calls it scans),
-  :mod:`~zinf_jax.engine.grads` (gradients reduce-scattered to a sink),
-  :mod:`~zinf_jax.engine.hostmem` (freed host pages returned);
+  :mod:`~zinf_jax.engine.grads` (gradients reduce-scattered to a sink; freed host pages returned
+  after a large unit's call by :mod:`zinf_jax._internal.native_memory`);
 * stepping: :mod:`~zinf_jax.engine.batching` (a batch on the mesh, micro-batches),
   :mod:`~zinf_jax.engine.overlap` (the write gate), :mod:`~zinf_jax.engine.lifecycle`
   (ready / looping / closed), :mod:`~zinf_jax.engine.build` (everything wired once into

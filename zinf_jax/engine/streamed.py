@@ -39,10 +39,10 @@ import numpy as np
 from jax.profiler import TraceAnnotation
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from zinf_jax._internal import native_memory
 from zinf_jax.errors import EngineError
 from zinf_jax.engine.glue import TraceCache, Traced, UnitCall, unit_out_shapes
 from zinf_jax.engine.grads import GradSink
-from zinf_jax.engine.hostmem import release_free_memory
 from zinf_jax.engine.overlap import WriteGate
 from zinf_jax.engine.prefetch import Prefetcher
 from zinf_jax.engine.programs import Penalty, UnitPrograms, join_inputs
@@ -409,9 +409,9 @@ class StreamedModel:
         return out
 
     def _release_host(self, uid: int) -> None:
-        """Returns the pages a large unit's call freed to the system (see :mod:`zinf_jax.engine.hostmem`)."""
+        """Returns the pages a large unit's call freed to the system (see :mod:`zinf_jax._internal.native_memory`)."""
         if self._gathered[uid] >= TRIM_BYTES:  # below, the ~15 ms a call costs buys nothing measurable
-            release_free_memory()
+            native_memory.trim()
 
     # --- activation checkpoints and accounting -------------------------------
     def _park(self, args: Any) -> Any:
