@@ -473,3 +473,21 @@ def _nest_tx(tx):
     return optax.GradientTransformation(
         lambda p: tx.init(nest(p)),
         lambda g, s, p=None: (lambda u, s2: (unnest(u), s2))(*tx.update(nest(g), s, None if p is None else nest(p))))
+
+
+def test_a_large_pool_is_freed_after_each_step_with_the_same_numbers(layouts, monkeypatch):
+    """At or above KEEP_POOL_BELOW the buffers go after each step (host RAM for the next forward); the updates are
+    those of a driver that keeps its pool, bitwise."""
+    from zinf_jax.optim import driver
+
+    kept = _driver(CpuTier(memory="numpy"), layouts, 16, _init_params(), buffer_count=2)
+    for t in range(3):
+        _step(kept, layouts, _grads(t), _Writes())
+        assert kept.pool_bytes() > 0
+    monkeypatch.setattr(driver, "KEEP_POOL_BELOW", 1)
+    freed = _driver(CpuTier(memory="numpy"), layouts, 16, _init_params(), buffer_count=2)
+    for t in range(3):
+        _step(freed, layouts, _grads(t), _Writes())
+        assert freed.pool_bytes() == 0 and freed.peak_live_buffers == 2
+    for path, a in _masters(kept, layouts).items():
+        np.testing.assert_array_equal(_masters(freed, layouts)[path], a, err_msg=path)

@@ -63,6 +63,10 @@ class BufferSet:
             self._staged.append(k)
         return buf[:size]
 
+    def staging(self) -> tuple[np.ndarray, ...]:
+        """The staging buffers made so far."""
+        return tuple(self._stage.values())
+
     def unstage(self, size: int) -> None:
         """Widens the staged reads (after they completed) into their float32 arrays."""
         for k in self._staged:
