@@ -168,12 +168,15 @@ def test_loading_a_1gb_file_holds_no_more_host_ram_than_the_engines_own_init(tmp
     size = save_hf(BIG, str(tmp_path / "model.safetensors"))
     assert size > 1 << 30
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    modes = ("fresh", "safetensors")  # side by side: each process's own peak RSS
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "..", "workers", "rss_load_worker.py"), mode,
+                               str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for mode in modes]
     runs = {}
-    for mode in ("fresh", "safetensors"):
-        p = subprocess.run([sys.executable, os.path.join(HERE, "..", "workers", "rss_load_worker.py"), mode,
-                            str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
-        assert p.returncode == 0, p.stderr[-3000:]
-        runs[mode] = json.loads(p.stdout.strip().splitlines()[-1])
+    for mode, p in zip(modes, procs):
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-3000:]
+        runs[mode] = json.loads(out.strip().splitlines()[-1])
     assert runs["safetensors"]["bytes_read"] == size  # one process: every byte once, no more
     extra = runs["safetensors"]["peak_rss"] - runs["fresh"]["peak_rss"]
     assert extra < 0.3 * (1 << 30), runs  # the file is never in RAM whole
