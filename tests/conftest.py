@@ -22,12 +22,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from zinf_jax._internal import native_memory  # noqa: E402
-
-# As the CLI does (see the module): 2 glibc arenas for all of XLA's and tensorstore's threads. Measured
-# on tests/engine/test_compiled.py, two runs each: 63.7 / 60.4 s against 72.4 / 67.3 s with glibc's default.
-native_memory.limit_arenas(2)
-
 import jax  # noqa: E402
 import pytest  # noqa: E402
 

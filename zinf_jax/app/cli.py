@@ -20,7 +20,7 @@ from zinf_jax.app.interrupts import StopRequest
 from zinf_jax.config.zero import MOMENTS_DTYPES
 from zinf_jax.errors import Interrupted, NonFiniteLossError, ZinfError
 
-__all__ = ["main", "make_parser", "field_docs", "EXAMPLES"]
+__all__ = ["main", "console_main", "make_parser", "field_docs", "EXAMPLES"]
 
 ARENAS = 2
 """glibc malloc arenas a ``zinf-jax`` process keeps (unless ``MALLOC_ARENA_MAX`` says otherwise): with the
@@ -152,11 +152,20 @@ def main(argv: list[str] | None = None) -> int:
     :mod:`zinf_jax.app.interrupts`), so no interrupt can land inside compilation.
     """
     stop = StopRequest(fd=_stderr_fd()).install()
-    native_memory.limit_arenas(ARENAS)  # before XLA's and tensorstore's threads allocate (see the module)
     try:
         return _main(argv, stop)
     finally:
         stop.restore()
+
+
+def console_main() -> int:
+    """The ``zinf-jax`` console script (and ``python -m zinf_jax.app.cli``): :func:`main` in a process of its own.
+
+    It first caps glibc's malloc arenas (:data:`ARENAS`), before XLA's and tensorstore's threads
+    allocate: a process-wide setting, so :func:`main` called from your own process leaves it alone.
+    """
+    native_memory.limit_arenas(ARENAS)
+    return main()
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -249,4 +258,4 @@ def _train(a: argparse.Namespace, stop: StopRequest) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console_main())
