@@ -33,9 +33,13 @@ def _glibc():
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         libc.gnu_get_libc_version  # noqa: B018 - present in glibc only
-        return libc
     except (OSError, AttributeError):
         return None
+    libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return libc
+
+
+_LIBC = _glibc()  # None where the C library is not glibc
 
 
 def limit_arenas(count: int) -> bool:
@@ -46,22 +50,9 @@ def limit_arenas(count: int) -> bool:
     """
     if os.environ.get("MALLOC_ARENA_MAX"):
         return False
-    libc = _glibc()
-    return bool(libc is not None and libc.mallopt(_M_ARENA_MAX, int(count)))
-
-
-def _trim_function():
-    libc = _glibc()
-    if libc is None:
-        return None
-    fn = libc.malloc_trim
-    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
-    return fn
-
-
-_TRIM = _trim_function()
+    return bool(_LIBC is not None and _LIBC.mallopt(_M_ARENA_MAX, int(count)))
 
 
 def trim() -> bool:
     """Hands the free memory of every glibc arena back to the OS (``malloc_trim(0)``); whether any was."""
-    return bool(_TRIM is not None and _TRIM(0))
+    return bool(_LIBC is not None and _LIBC.malloc_trim(0))
