@@ -29,6 +29,18 @@ def job_env(jax_cache: bool = False) -> dict[str, str]:
     return env
 
 
+def use_session_jax_cache() -> None:
+    """In a worker: compiles through the test session's compilation cache (``ZINF_TEST_JAX_CACHE``, see
+    :func:`job_env`), every program cached, as in the test process; nothing if it is not set."""
+    cache = os.environ.get("ZINF_TEST_JAX_CACHE")
+    if cache:
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
 def start(argvs: list[list[str]], env: dict[str, str]) -> list[subprocess.Popen]:
     """One Python process per argv (``[script or -m module, args...]``), output captured."""
     return [subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,

@@ -25,10 +25,10 @@ os.environ["JAX_NUM_CPU_DEVICES"] = "4"
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax  # noqa: E402
 
-if os.environ.get("ZINF_TEST_JAX_CACHE"):  # the test session's compilation cache: the second engine compiles nothing
-    jax.config.update("jax_compilation_cache_dir", os.environ["ZINF_TEST_JAX_CACHE"])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from helpers.procs import use_session_jax_cache  # noqa: E402
+
+use_session_jax_cache()  # the test session's compilation cache: later engines compile nothing
 jax.distributed.initialize(f"localhost:{port}", num_processes=nproc, process_id=pid)
 
 from flax import nnx  # noqa: E402
