@@ -90,7 +90,8 @@ def test_a_killed_process_stops_the_others_within_the_peer_timeout_and_resume_co
 def test_a_process_killed_mid_save_leaves_no_checkpoint_and_resume_continues_bitwise(tmp_path):
     """Process 2 of 4 dies (SIGKILL) in the middle of the step-12 save: the others exit 75 within the bound
     naming it and step 8 as the last complete checkpoint; the half-written save is never taken for a
-    checkpoint; --resume on all four removes it and ends bitwise where an uninterrupted 4-process job does."""
+    checkpoint; --resume on all four removes what is left of it and ends bitwise where an uninterrupted
+    4-process job does."""
     import time
 
     from zinf_jax.app.peers import EXIT_PEER_LOST
@@ -107,10 +108,13 @@ def test_a_process_killed_mid_save_leaves_no_checkpoint_and_resume_continues_bit
     assert took <= 10 + 15, took
     ckpt = tmp_path / "four" / "ckpt"
     assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000004", "step_00000008"]
-    assert [p.name[:len(".tmp_step_00000012")] for p in ckpt.glob(".tmp_*")] == [".tmp_step_00000012"]
+    # the half-written save is left as a hidden .tmp_ directory (the watch stopped process 0 first) or already
+    # removed (process 0's save saw the lost peer at its next barrier and failed, removing it): never step_00000012
+    left = [p.name[:len(".tmp_step_00000012")] for p in ckpt.glob(".tmp_*")]
+    assert left in ([], [".tmp_step_00000012"]), left
     _assert_names_the_loss(errs, tmp_path / "four", 2, f"host {socket.gethostname()}, pid {procs[2].pid}")
     errs = _job(tmp_path / "four", 4, *flags, "--resume")
-    assert "removed 1 unfinished save(s) of an earlier run: .tmp_step_00000012" in errs[0]
+    assert ("removed 1 unfinished save(s) of an earlier run: .tmp_step_00000012" in errs[0]) == bool(left), errs[0]
     four = json.loads((tmp_path / "four" / "summary.json").read_text())
     whole = json.loads((tmp_path / "whole" / "summary.json").read_text())
     assert four["step"] == whole["step"] == 16 and four["steps_run"] == 8
@@ -143,12 +147,12 @@ def _wait_for_steps(run_dir, n, timeout=300):
 @pytest.mark.parametrize("sig, own_code", [("SIGTERM", 143), ("SIGINT", 130)])
 def test_a_signal_to_one_process_stops_all_at_one_step_with_one_checkpoint(tmp_path, sig, own_code):
     """SIGTERM (or SIGINT) to process 1 of 4: JAX's preemption service makes all four stop after the same step
-    and save it together; all exit 143 (the signalled one 130 for SIGINT); --resume ends at the uninterrupted
-    loss."""
+    and save it together; all exit 143 (the signalled one 130 for SIGINT); --resume ends bitwise at the loss of
+    the same job uninterrupted."""
     import signal
 
     flags = ["--steps", "30", "--save-every", "0"]
-    _job(tmp_path / "one", 1, *flags)
+    _job(tmp_path / "whole", 4, *flags)
     procs = _start(tmp_path / "four", 4, *flags)
     _wait_for_steps(tmp_path / "four", 8)
     procs[1].send_signal(getattr(signal, sig))
@@ -161,9 +165,9 @@ def test_a_signal_to_one_process_stops_all_at_one_step_with_one_checkpoint(tmp_p
     assert (tmp_path / "four" / "ckpt" / steps[0] / "zinf_meta.json").exists()  # written last: complete
     _job(tmp_path / "four", 4, *flags, "--resume")
     four = json.loads((tmp_path / "four" / "summary.json").read_text())
-    one = json.loads((tmp_path / "one" / "summary.json").read_text())
-    assert four["step"] == one["step"] == 30
-    np.testing.assert_allclose(four["final_loss"], one["final_loss"], rtol=1e-6)
+    whole = json.loads((tmp_path / "whole" / "summary.json").read_text())
+    assert four["step"] == whole["step"] == 30 and four["steps_run"] < 30
+    assert four["final_loss"] == whole["final_loss"]  # bitwise: the same job, resumed from the agreed step
 
 
 def test_peer_watch_stops_the_others_with_one_line_when_a_process_dies(tmp_path):
