@@ -336,8 +336,17 @@ def owns_shard(mesh: Mesh, layout: ParamLayout, index: int, zero_axes: Sequence[
     """
     if layout.dim is None:
         return jax.process_index() == 0
-    holders = [d.process_index for d in mesh.devices.flat if shard_index_of(mesh, d, zero_axes) == index]
-    return min(holders) == jax.process_index()
+    return _writers(mesh, zero_axes_of(mesh, zero_axes))[index] == jax.process_index()
+
+
+@functools.lru_cache(maxsize=64)
+def _writers(mesh: Mesh, axes: tuple[str, ...]) -> dict[int, int]:
+    """Shard index to the lowest process holding a device of it (asked per shard per step: worked out once)."""
+    out: dict[int, int] = {}
+    for d in mesh.devices.flat:
+        i = shard_index_of(mesh, d, axes)
+        out[i] = min(out.get(i, d.process_index), d.process_index)
+    return out
 
 
 def local_shard_devices(mesh: Mesh, zero_axes: Sequence[str] | None = None) -> dict[int, list[jax.Device]]:
