@@ -116,6 +116,13 @@ class ParamStore:
         self._writes[path] = self._writes.get(path, 0) + 1
         return self.tier.put(path, index, value)
 
+    def put_local_many(self, items: Sequence[tuple[str, int, np.ndarray]]) -> list[Future]:
+        """:meth:`put_local` of several ``(path, index, value)`` shards at once (see ``Tier.put_many``)."""
+        items = [it for it in items if it[0] not in self.master_paths]  # See [Note: shared fp32 master]
+        for path, _, _ in items:
+            self._writes[path] = self._writes.get(path, 0) + 1
+        return self.tier.put_many(items) if items else []
+
     def writes(self, path: str) -> int:
         """How many writes of ``path`` this store has issued: a value read after the last one is still current.
 

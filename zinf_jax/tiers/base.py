@@ -19,6 +19,8 @@ copy of each shard and replace it on put.)
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import threading
 from concurrent.futures import Future
 from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
@@ -45,10 +47,10 @@ class ShardSpec:
     dtype: str
     num_shards: int
 
-    @property
+    @functools.cached_property
     def shard_nbytes(self) -> int:
-        """Bytes of one shard."""
-        return int(np.prod(self.shard_shape, dtype=np.int64)) * np.dtype(np_dtype(self.dtype)).itemsize
+        """Bytes of one shard (worked out once: every transfer asks)."""
+        return math.prod(self.shard_shape) * np.dtype(np_dtype(self.dtype)).itemsize
 
     def to_json(self) -> dict[str, Any]:
         return {"shard_shape": list(self.shard_shape), "dtype": self.dtype, "num_shards": self.num_shards}
@@ -138,6 +140,14 @@ class Tier(Protocol):
 
     def put(self, key: str, index: int, value: Any) -> Future:
         """Store shard ``index`` of ``key`` (numpy array or single-device jax.Array)."""
+        ...
+
+    def put_many(self, items: Sequence[tuple[str, int, Any]]) -> list[Future]:
+        """:meth:`put` of several ``(key, index, value)`` shards (a device tier moves them in one transfer)."""
+        ...
+
+    def get_many(self, items: Sequence[tuple[str, int, np.ndarray]]) -> list[Future]:
+        """:meth:`get` of several ``(key, index, out)`` shards into host buffers (a device tier: one transfer)."""
         ...
 
     def get(self, key: str, index: int, *, out: np.ndarray | None = None) -> Future:

@@ -107,6 +107,13 @@ class _MemoryTier:
         if last is not None:
             last.result()
 
+    def _settle_many(self, shards: Sequence[tuple[str, int]]) -> None:
+        """:meth:`_settle` of several shards."""
+        with self._lock:
+            last = [f for f in (self._puts.get(s) for s in shards) if f is not None]
+        for f in last:
+            f.result()
+
     @property
     def version(self) -> int:
         """Grows with every put: a holder of arrays built from the shards knows none changed while it is the same."""
@@ -128,6 +135,68 @@ class _MemoryTier:
         with self._lock:
             self._puts[(key, index)] = fut
         return fut
+
+    def put_many(self, items: Sequence[tuple[str, int, Any]]) -> list[Future]:
+        """Host shards stored, in the caller's thread: as jax.Arrays (see :meth:`_memory_kind`) in one
+        ``device_put`` (one transfer call instead of one per shard), into numpy buffers by copies."""
+        kind = self._memory_kind()
+        specs = [self._check(key, index, value) for key, index, value in items]
+        if kind is None:  # copied here, in the caller's thread (a pack's shards are small): no future per shard
+            self._settle_many([(key, index) for key, index, _ in items])
+            with self._lock:
+                for (key, index, value), spec in zip(items, specs):
+                    self._data[(key, index)] = self._place(index, value, spec, self._data.get((key, index)))
+                self._version += 1
+            return [done_future()]
+        # copies: on CPU, device_put may alias a numpy buffer, which the caller may reuse
+        hosts = [np.array(value, dtype=_np(spec.dtype), copy=True) for (_, _, value), spec in zip(items, specs)]
+        targets = [jax.sharding.SingleDeviceSharding(self._placement(index), memory_kind=kind) for _, index, _ in items]
+        arrays = jax.device_put(hosts, targets) if hosts else []
+        jax.block_until_ready(arrays)
+        self.put_arrays([(key, index, arr) for (key, index, _), arr in zip(items, arrays)])
+        return [done_future()]
+
+    def get_many(self, items: Sequence[tuple[str, int, np.ndarray]]) -> list[Future]:
+        """Shards to host buffers, in the caller's thread (jax.Arrays with one ``device_get``: one transfer call
+        instead of one per shard)."""
+        for key, index, _ in items:
+            self._check(key, index)
+        self._settle_many([(key, index) for key, index, _ in items])
+        with self._lock:
+            values = [self._data.get((key, index)) for key, index, _ in items]
+        for (key, index, _), value in zip(items, values):
+            if value is None:
+                raise TierError(f"{self.kind} tier: no data for shard {index} of {key!r}")
+        hosts = values if self._memory_kind() is None else jax.device_get(values)
+        for (_, _, out), host in zip(items, hosts):
+            out[...] = host
+        return [done_future()]
+
+    def put_arrays(self, items: Sequence[tuple[str, int, jax.Array]]) -> None:
+        """Stores jax.Arrays as the shards they are, at once (no transfer, no future): a compiled step's outputs,
+        or what :meth:`put_many` moved.
+
+        Each array must already have its key's shard shape and dtype and live in this tier's memory.
+
+        Raises:
+          TierError: an array's shape or dtype is not its key's.
+        """
+        for key, index, value in items:
+            spec = self._check(key, index, value)
+            if value.dtype != _np(spec.dtype):
+                raise TierError(f"{self.kind} tier: shard of {key!r} has dtype {value.dtype}, declared {spec.dtype}")
+        with self._lock:
+            pending = [f for f in (self._puts.get((k, i)) for k, i, _ in items) if f is not None]
+        for f in pending:  # an earlier put of one of them still in flight lands first
+            f.result()
+        with self._lock:
+            for key, index, value in items:
+                self._data[(key, index)] = value
+            self._version += 1
+
+    def _memory_kind(self) -> str | None:
+        """The memory kind of the jax.Arrays this tier keeps (``None``: numpy buffers)."""
+        raise NotImplementedError
 
     def current(self, key: str, index: int) -> Any:
         """The shard's stored object as it is now (after any put in flight), without a copy.
@@ -205,26 +274,8 @@ class DeviceTier(_MemoryTier):
         super().__init__(max_in_flight_bytes=max_in_flight_bytes)
         self._placement = placement or (lambda i: jax.local_devices()[0])
 
-    def put_arrays(self, items: Sequence[tuple[str, int, jax.Array]]) -> None:
-        """Stores device arrays as the shards they are, at once (no transfer, no future): a compiled step's outputs.
-
-        Each array must already have its key's shard shape and dtype and live on a device.
-
-        Raises:
-          TierError: an array's shape or dtype is not its key's.
-        """
-        for key, index, value in items:
-            spec = self._check(key, index, value)
-            if value.dtype != _np(spec.dtype):
-                raise TierError(f"device tier: shard of {key!r} has dtype {value.dtype}, declared {spec.dtype}")
-        with self._lock:
-            pending = [f for f in (self._puts.get((k, i)) for k, i, _ in items) if f is not None]
-        for f in pending:  # an earlier put of one of them still in flight lands first
-            f.result()
-        with self._lock:
-            for key, index, value in items:
-                self._data[(key, index)] = value
-            self._version += 1
+    def _memory_kind(self) -> str | None:
+        return self._placement(0).default_memory().kind
 
     def _place(self, index: int, value: Any, spec: ShardSpec, old: Any) -> Any:
         if isinstance(value, jax.Array) and value.sharding.memory_kind in (None, "device"):
@@ -261,6 +312,9 @@ class CpuTier(_MemoryTier):
         super().__init__(max_in_flight_bytes=max_in_flight_bytes)
         self.memory = memory
         self._placement = placement or (lambda i: jax.local_devices()[0])
+
+    def _memory_kind(self) -> str | None:
+        return None if self.memory == "numpy" else "pinned_host"
 
     def _place(self, index: int, value: Any, spec: ShardSpec, old: Any) -> Any:
         if self.memory == "numpy":

@@ -285,6 +285,12 @@ class NvmeTier:
             raise TierError(f"nvme tier: shard {index} of {key!r} is not stored by this process ({local})")
         return spec
 
+    def put_many(self, items: Sequence[tuple[str, int, Any]]) -> list[Future]:
+        return [self.put(key, index, value) for key, index, value in items]
+
+    def get_many(self, items: Sequence[tuple[str, int, np.ndarray]]) -> list[Future]:
+        return [self.get(key, index, out=out) for key, index, out in items]
+
     def put(self, key: str, index: int, value: Any) -> Future:
         spec = self._check(key, index)
         arr = np.asarray(value, dtype=np_dtype(spec.dtype))
