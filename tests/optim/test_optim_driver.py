@@ -107,6 +107,9 @@ def _make_tier(kind, path):
 
 
 def _driver(tier, layouts, sgs, params=None, spec=None, **kw):
+    """A driver over ``layouts`` with ``params`` written; one sub-group per chunk unless ``pack_below`` is given
+    (these shards are all small: packed, the pipeline of sub-groups these tests check would be one pack)."""
+    kw.setdefault("pack_below", 0)
     opt = StreamedAdam(_spec() if spec is None else spec, tier, layouts,
                        local_indices=lambda p: list(range(layouts[p].num_shards)), sub_group_size=sgs, **kw)
     opt.declare()
@@ -491,3 +494,68 @@ def test_a_large_pool_is_freed_after_each_step_with_the_same_numbers(layouts, mo
         assert freed.pool_bytes() == 0 and freed.peak_live_buffers == 2
     for path, a in _masters(kept, layouts).items():
         np.testing.assert_array_equal(_masters(freed, layouts)[path], a, err_msg=path)
+
+
+class _PackWrites(_Writes):
+    """Records write_params calls too: one call per pack, with all its members."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def many(self, items):
+        self.calls.append([(p, i) for p, i, _ in items])
+        for p, i, arr in items:
+            self(p, i, arr)
+        return []
+
+
+@pytest.mark.parametrize("kind,sgs,variant", [("cpu", LARGE, "adamw"), ("nvme", SMALL, "adamw"),
+                                              ("nvme", LARGE, "bf16_grad_tier"), ("cpu", SMALL, "optax")])
+def test_packs_update_small_shards_together_with_the_same_numbers(kind, sgs, variant, layouts, tmp_path):
+    """Whole small shards are read, updated and written as packs (one write_params call each, one kernel call
+    per run of equal weight decay): the same master and states bitwise as one sub-group at a time, and optax's
+    numbers. SMALL cuts some shards into several chunks (those stay sub-groups beside the packs)."""
+    from zinf_jax.optim.driver import PACK_BELOW
+
+    spec = OPTAX_RULES["clip_adamw_masked"]() if variant == "optax" else None
+    for sub in ("g", "t0", f"t{PACK_BELOW}"):
+        (tmp_path / sub).mkdir()
+    extra = {"state_dtype": "bfloat16", "grad_tier": NvmeTier(tmp_path / "g", update="scratch")} \
+        if variant == "bf16_grad_tier" else {}
+    runs = {}
+    for pack_below in (0, PACK_BELOW):
+        tier = _make_tier(kind, tmp_path / f"t{pack_below}")
+        opt = _driver(tier, layouts, sgs, _init_params(), spec=spec, pack_below=pack_below, **extra)
+        writes = _PackWrites()
+        for t in range(6):
+            g = {p: _split(layouts[p], x) for p, x in _grads(t).items()}
+            if opt.grads is not None:  # the gradients written to their tier as a backward would
+                for p, shards in g.items():
+                    for i, x in shards.items():
+                        opt.grads.add(p, i, x)
+                src = opt.grads
+            else:
+                src = lambda p, i, g=g: g[p][i]  # noqa: E731
+            writes.calls.clear()
+            opt.step(src, writes, write_params=writes.many)
+            if opt.grads is not None:
+                opt.grads.clear()
+        states = {(p, i, n): opt.read_state(p, i, n).tobytes() for p, lay in layouts.items()
+                  for i in range(lay.num_shards) for n in opt.state_names(p)}
+        shards = {(p, i): opt.read_master(p, i) for p, lay in layouts.items() for i in range(lay.num_shards)}
+        runs[pack_below] = (opt.packs, writes.calls, states, _masters(opt, layouts), dict(writes), shards)
+        tier.close()
+    (none, no_calls, want, *_), (packs, calls, got, masters, written, shards) = runs[0], runs[PACK_BELOW]
+    assert none == 0 and no_calls == [] and packs >= 1
+    assert len(calls) == packs and all(len(c) > 1 for c in calls)  # one call per pack, every member in it
+    packed = {m for c in calls for m in c}
+    assert len(packed) == sum(len(c) for c in calls)  # each shard in one pack
+    if sgs == SMALL:  # the multi-chunk shards stayed sub-groups of their own
+        assert not any(p == "dense/kernel" for p, _ in packed)
+    assert got == want  # bitwise, every state of every shard
+    assert set(written) == set(shards)  # every parameter shard handed out, as it was updated
+    for key, arr in written.items():
+        np.testing.assert_array_equal(arr.reshape(-1), shards[key].reshape(-1), err_msg=str(key))
+    if variant == "adamw":  # against optax itself, as test_matches_optax
+        _assert_close(masters, _optax([_grads(t) for t in range(6)], _init_params()))

@@ -201,7 +201,8 @@ class Stepper:
         t1 = time.perf_counter()
         try:
             with TraceAnnotation("zinf/optimizer_step", step=eng.optimizer.step_count + 1):
-                m = eng.optimizer.step(eng.passes.sink.source, write_param, on_written=eng.gate.written)
+                m = eng.optimizer.step(eng.passes.sink.source, write_param, on_written=eng.gate.written,
+                                       write_params=eng.store.put_local_many)
             if clear:
                 eng.passes.sink.clear()
             meta = {"step": eng.optimizer.step_count}

@@ -187,9 +187,10 @@ class FusedAdam(StreamedOptimizer):
         self._pending = {"grad_norm": float(norm), "skipped": not finite,
                          "loss_scale": self.loss_scale, "step": self._count, "lr": float(lr)}
 
-    def step(self, grad: Callable, write_param: Callable, on_written: Callable[[str], None] | None = None) -> dict:
+    def step(self, grad: Callable, write_param: Callable, on_written: Callable[[str], None] | None = None,
+             write_params: Callable | None = None) -> dict:
         """The step the program applied (its metrics), or else a streamed step (see the base class)."""
         if self._pending is not None:
             out, self._pending = self._pending, None
             return out
-        return super().step(grad, write_param, on_written=on_written)
+        return super().step(grad, write_param, on_written=on_written, write_params=write_params)

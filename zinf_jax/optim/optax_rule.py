@@ -31,11 +31,13 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Mapping, Sequence
+from typing import Any, Hashable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from zinf_jax.optim.rules import Span
 
 __all__ = ["OptaxRule", "leading_global_clip"]
 
@@ -224,6 +226,15 @@ class OptaxRule:
         for a, x in zip(elems, new_elems):
             a[:valid] = np.asarray(x)[:valid]
         self._pending[path] = [np.asarray(x) for x in new_scalars]
+
+    def pack_key(self, path: str, shape: tuple[int, ...]) -> Hashable:
+        return 0  # each shard runs its own program (update_many loops)
+
+    def update_many(self, spans: Sequence[Span], arrays: Sequence[np.ndarray], grad: np.ndarray, *,
+                    step: int, lr: float | None, mult: np.float32) -> None:
+        for path, shape, start, stop in spans:
+            self.update(path, shape, [a[start:stop] for a in arrays], grad[start:stop], valid=stop - start,
+                        step=step, lr=lr, mult=mult)
 
     def end_step(self, applied: bool) -> None:
         if applied:

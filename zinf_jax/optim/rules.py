@@ -15,13 +15,16 @@ key ``f"{name}/{path}"`` in the optimizer tier.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Hashable, Mapping, Protocol, Sequence
 
 import numpy as np
 
 from zinf_jax.optim.adam import AdamSpec, adam_update_shard
 
-__all__ = ["UpdateRule", "AdamRule", "make_rule"]
+__all__ = ["UpdateRule", "AdamRule", "make_rule", "Span"]
+
+Span = tuple[str, tuple[int, ...], int, int]
+"""``(path, shape, start, stop)``: one parameter's shard in a pack of shards (see ``UpdateRule.update_many``)."""
 
 
 class UpdateRule(Protocol):
@@ -41,6 +44,17 @@ class UpdateRule(Protocol):
     def update(self, path: str, shape: tuple[int, ...], arrays: Sequence[np.ndarray], grad: np.ndarray, *,
                valid: int, step: int, lr: float | None, mult: np.float32) -> None:
         """Updates ``arrays`` (master then states, full padded chunks) in place from ``grad`` (``valid`` elements)."""
+
+    def pack_key(self, path: str, shape: tuple[int, ...]) -> Hashable:
+        """Parameters with equal keys may be updated together as one array (:meth:`update_many`)."""
+
+    def update_many(self, spans: Sequence[Span], arrays: Sequence[np.ndarray], grad: np.ndarray, *,
+                    step: int, lr: float | None, mult: np.float32) -> None:
+        """Updates the whole shards of several parameters packed into ``arrays`` (and ``grad``) in place.
+
+        ``spans``: ``(path, shape, start, stop)`` of each shard in the packed arrays, in order; each
+        shard is one whole sub-group (``stop - start`` elements, no padding).
+        """
 
     def end_step(self, applied: bool) -> None:
         """The step is over (``applied`` False: skipped, nothing may change)."""
@@ -74,6 +88,24 @@ class AdamRule:
         p, m, v = (a[:valid] for a in arrays)  # a padded tail stays zero: never touched
         adam_update_shard(p, m, v, grad, step=step, lr=lr, b1=sp.b1, b2=sp.b2, eps=sp.eps,
                           weight_decay=sp.decay_for(path, shape), eps_root=sp.eps_root, grad_scale=mult)
+
+    def pack_key(self, path: str, shape: tuple[int, ...]) -> Hashable:
+        return self.spec.decay_for(path, shape)
+
+    def update_many(self, spans: Sequence[Span], arrays: Sequence[np.ndarray], grad: np.ndarray, *,
+                    step: int, lr: float | None, mult: np.float32) -> None:
+        """One kernel call per run of adjacent shards with the same weight decay (element-wise: the same numbers)."""
+        sp, i = self.spec, 0
+        while i < len(spans):
+            decay, start, j = sp.decay_for(spans[i][0], spans[i][1]), spans[i][2], i
+            while j + 1 < len(spans) and spans[j + 1][2] == spans[j][3] and \
+                    sp.decay_for(spans[j + 1][0], spans[j + 1][1]) == decay:
+                j += 1
+            stop = spans[j][3]
+            p, m, v = (a[start:stop] for a in arrays)
+            adam_update_shard(p, m, v, grad[start:stop], step=step, lr=lr, b1=sp.b1, b2=sp.b2, eps=sp.eps,
+                              weight_decay=decay, eps_root=sp.eps_root, grad_scale=mult)
+            i = j + 1
 
     def end_step(self, applied: bool) -> None:
         pass

@@ -2,7 +2,8 @@
 
 A shard of ``numel`` elements is cut into the fewest near-equal chunks of at
 most ``sub_group_size`` elements (:func:`sub_groups`); a :class:`Group` names
-one chunk of one shard. A :class:`BufferSet` holds one sub-group's float32
+one chunk of one shard; a :class:`Pack` holds several small whole shards that
+are read, updated and written as one unit of work (:func:`pack_groups`). A :class:`BufferSet` holds one sub-group's float32
 arrays (master and the rule's states) plus the I/O futures still using them;
 a :class:`Pipe` is the in-flight state of one optimizer step.
 """
@@ -12,13 +13,13 @@ import collections
 import dataclasses
 from concurrent.futures import Future
 
-from typing import Any
+from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
 from zinf_jax.tiers.direct import aligned_empty
 
-__all__ = ["Group", "sub_groups", "BufferSet", "Pipe"]
+__all__ = ["Group", "Pack", "pack_groups", "sub_groups", "BufferSet", "Pipe"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +31,51 @@ class Group:
     valid: int  # elements of real data (< chunk size only for a padded last chunk)
     n_chunks: int
     index: int  # tier index: shard * n_chunks + chunk
+
+
+@dataclasses.dataclass(frozen=True)
+class Pack:
+    """Whole small shards (one sub-group each) updated as one: ``members[k]`` at ``offsets[k]`` of the buffers."""
+
+    members: tuple[Group, ...]
+    offsets: tuple[int, ...]
+    size: int  # elements of all members
+
+
+def pack_groups(groups: Sequence[Group], below: int, most: int, same: Callable[[Group], Hashable],
+                order: Callable[[Group], Hashable]) -> list[Group | Pack]:
+    """``groups`` with their whole small shards gathered into packs, each where its first member was.
+
+    A shard of one sub-group of at most ``below`` elements joins the open pack of its kind (``same``: the
+    states it has) until the pack would exceed ``most`` elements; inside a pack members are sorted by
+    ``order`` (the rule's :meth:`pack_key`: equal keys side by side update as one array). A pack of one
+    shard stays that shard's group. Every member comes no later than before: nothing waits longer to be
+    written.
+    """
+    out: list[Group | list[Group]] = []
+    open_: dict[Hashable, tuple[list[Group], int]] = {}  # kind -> (its open pack, elements in it)
+    for g in groups:
+        if g.n_chunks != 1 or g.valid > below:
+            out.append(g)
+            continue
+        kind = same(g)
+        members, size = open_.get(kind, (None, 0))
+        if members is None or size + g.valid > most:
+            members, size = [], 0
+            out.append(members)
+        members.append(g)
+        open_[kind] = (members, size + g.valid)
+    packed: list[Group | Pack] = []
+    for w in out:
+        if isinstance(w, Group) or len(w) == 1:
+            packed.append(w if isinstance(w, Group) else w[0])
+            continue
+        members = sorted(w, key=order)
+        offsets = [0]
+        for g in members[:-1]:
+            offsets.append(offsets[-1] + g.valid)
+        packed.append(Pack(tuple(members), tuple(offsets), offsets[-1] + members[-1].valid))
+    return packed
 
 
 def sub_groups(numel: int, sub_group_size: int) -> tuple[int, int]:
