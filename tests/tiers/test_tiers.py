@@ -178,3 +178,31 @@ def test_small_memory_transfers_complete_in_the_caller():
     fut.result()
     np.testing.assert_array_equal(t.get("s", 0).result(), 1.0)
     t.close()
+
+
+def test_put_many_and_get_many_round_trip_after_single_puts(tier):
+    """Several shards in one call (a pack of small shards): bitwise as one at a time, in program order with earlier
+    single puts (a large one still in flight is waited for), the caller's buffers not aliased."""
+    rng = np.random.default_rng(2)
+    tier.declare("a", ShardSpec(shard_shape=(5,), dtype="float32", num_shards=4))
+    tier.declare("b", ShardSpec(shard_shape=(1 << 17,), dtype="bfloat16", num_shards=2))  # 256 KB: off the caller
+    big = [rng.standard_normal(1 << 17).astype(ml_dtypes.bfloat16) for _ in range(2)]
+    first = [tier.put("b", i, x) for i, x in enumerate(big)]  # maybe still in flight below
+    small = [rng.standard_normal(5).astype(np.float32) for _ in range(4)]
+    items = [("a", i, x) for i, x in enumerate(small)] + [("b", 1, big[0])]
+    for f in tier.put_many(items):
+        f.result()
+    for f in first:
+        f.result()
+    want = [x.copy() for x in small]
+    for x in small:
+        x[:] = -1  # the tier kept copies
+    outs = [np.empty(5, np.float32) for _ in range(4)] + [np.empty(1 << 17, ml_dtypes.bfloat16)]
+    for f in tier.get_many([("a", i, outs[i]) for i in range(4)] + [("b", 0, outs[4])]):
+        f.result()
+    assert [o.tobytes() for o in outs[:4]] == [w.tobytes() for w in want]
+    assert [np.asarray(tier.get("a", i).result()).tobytes() for i in range(4)] == [w.tobytes() for w in want]
+    assert outs[4].tobytes() == big[0].tobytes()
+    assert np.asarray(tier.get("b", 1).result()).tobytes() == big[0].tobytes()  # put_many's write, after put's
+    with pytest.raises(TierError, match="shape"):
+        tier.put_many([("a", 0, np.zeros(6, np.float32))])
