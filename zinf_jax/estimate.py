@@ -37,7 +37,7 @@ from zinf_jax._internal.fmt import human_bytes
 from zinf_jax.config import ZeroConfig
 from zinf_jax.engine.wrap import make_adapter, trainable_paths
 from zinf_jax.optim.grads_out import IN_RAM_BELOW
-from zinf_jax.optim.subgroups import sub_groups
+from zinf_jax.optim.subgroups import PACK_BELOW, PACK_ELEMENTS, pool_geometry, sub_groups
 from zinf_jax.plan.partition import local_shard_devices, make_mesh, plan_partition
 from zinf_jax.plan.placement import place
 from zinf_jax.plan.units import UnitPolicy, persistent_paths
@@ -173,8 +173,9 @@ class _Digest:
     grad_disk: int  # with gradients out: the scratch tier's files (the other shards' chunks and key metadata)
     opt: int  # master + m + v
     opt_disk: int  # chunk files of one optimizer slot
-    groups: int  # optimizer sub-groups (elements: max_chunk)
-    max_chunk: int
+    groups: int  # the optimizer's units of work: sub-groups, small whole shards in packs (optim.driver)
+    max_chunk: int  # elements of one buffer set: the largest sub-group or pack
+    packs: bool  # a pack's gradient is gathered into its buffer set (one more array)
     assembly: int  # driver's multi-chunk shard buffer
     param_meta: int  # nvme metadata of the param tier
     workspace: int  # XLA working set per device (transient guess)
@@ -233,8 +234,8 @@ def _estimate(d: _Digest, config: ZeroConfig, pt: str, ot: str, platform: str) -
 
     # float32 master, m, v (and the gradient read back); bf16 moments add their narrow staging buffers
     staging_bf16 = 2 * 2 if config.moments_dtype == "bfloat16" else 0
-    buffers = (min(config.offload_optimizer.buffer_count, d.groups) * (12 + 4 * grads_out + staging_bf16) * d.max_chunk
-               + d.assembly)
+    buffers = (min(config.offload_optimizer.buffer_count, d.groups)
+               * (12 + 4 * (grads_out or d.packs) + staging_bf16) * d.max_chunk + d.assembly)
     if grads_out:  # the small shards stay in RAM as the backward produces them
         host_fb = {**host_fb, "grad_sink": host_fb.get("grad_sink", 0) + d.grad_ram}
     host = max([{**host_fb, "param_tier": cpu_p, "optimizer_state": cpu_o},
@@ -331,9 +332,16 @@ def estimate_from_sizes(
         grad=params * 4 // P, opt=_state_bytes(config) * params // P, opt_disk=_state_bytes(config) * params // P,
         grad_ram=params * 4 // P if shard * 4 < IN_RAM_BELOW else 0,
         grad_disk=0 if shard * 4 < IN_RAM_BELOW else params * 4 // P + (12 * layers + 3 + untied) * _KEY_METADATA_BYTES,
-        groups=max(1, (params // P) // max(chunk, 1)), max_chunk=chunk, assembly=4 * shard if shard > chunk else 0,
+        **_pool(config, [(shard, max(1, (params // P) // max(shard, 1)))]),
+        assembly=4 * shard if shard > chunk else 0,
         param_meta=(12 * layers + 3 + untied) * _KEY_METADATA_BYTES, workspace=int(workspace))
     return [_estimate(d, config, pt, ot, platform) for pt, ot in configurations]
+
+
+def _pool(config: ZeroConfig, shards: list[tuple[int, int]]) -> dict[str, Any]:
+    """The optimizer's buffer-set geometry for ``(elements, count)`` shards (the driver's packs included)."""
+    groups, size, packs = pool_geometry(shards, config.sub_group_size, PACK_BELOW, PACK_ELEMENTS)
+    return {"groups": max(groups, 1), "max_chunk": size, "packs": packs}
 
 
 def _warn_unmodelled(config: ZeroConfig) -> None:
@@ -451,7 +459,7 @@ def estimate_from_model(
                       for p in trained if 4 * numel[p] >= IN_RAM_BELOW),
         opt_disk=sum(n_chunks[p] * shards[p] * (_padded((chunk[p],), 4) + 2 * _padded((chunk[p],), _moment_bytes(config)))
                      for p in trained),
-        groups=sum(n_chunks[p] * shards[p] for p in trained), max_chunk=max((chunk[p] for p in trained), default=1),
+        **_pool(config, [(numel[p], shards[p]) for p in trained]),
         assembly=4 * max((numel[p] for p in trained if n_chunks[p] > 1), default=0),
         param_meta=sum(_KEY_METADATA_BYTES + len(p) + 3 * shards[p] for p in layouts),
         workspace=3 * out // (P * n_local))  # the largest unit output (logits): itself, f32 copy, cotangent

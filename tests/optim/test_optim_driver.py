@@ -516,7 +516,7 @@ def test_packs_update_small_shards_together_with_the_same_numbers(kind, sgs, var
     """Whole small shards are read, updated and written as packs (one write_params call each, one kernel call
     per run of equal weight decay): the same master and states bitwise as one sub-group at a time, and optax's
     numbers. SMALL cuts some shards into several chunks (those stay sub-groups beside the packs)."""
-    from zinf_jax.optim.driver import PACK_BELOW
+    from zinf_jax.optim.subgroups import PACK_BELOW
 
     spec = OPTAX_RULES["clip_adamw_masked"]() if variant == "optax" else None
     for sub in ("g", "t0", f"t{PACK_BELOW}"):

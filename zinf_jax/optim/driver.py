@@ -22,19 +22,6 @@ for Adam), plus one multi-chunk shard (4 B/element) assembled for
 ``write_param``. The buffers are page-aligned: the NVMe tier reads and writes
 them with direct I/O, holding no copy of its own.
 
-[Note: packs]
-A step costs a fixed amount per sub-group (its reads and writes issued, its futures waited on, one
-kernel call, one ``write_param``), ~0.1-0.2 ms on this machine: a model of many small shards (a
-d_model 128 GPT on 8 devices: 52 sub-groups of ~6K elements; 32 tiny layers: 512 of 32) paid that
-for almost no arithmetic. Whole shards of at most :data:`PACK_BELOW` elements are gathered into
-packs of up to :data:`PACK_ELEMENTS` (:func:`~zinf_jax.optim.subgroups.pack_groups`): a pack's
-members are read into one buffer set side by side, updated by one call of the rule
-(``update_many``: one Adam kernel call per run of equal weight decay), and their parameters handed
-to ``write_params`` in one call (the device tier moves them with one ``device_put``). The tier keys
-and the stored data are those of the members (nothing about storage changes: checkpoints, restore,
-inspect and other process counts see the same keys); the update is element-wise, so the numbers are
-the same bitwise.
-
 [Note: bf16 moments]
 With ``state_dtype="bfloat16"`` (``ZeroConfig(moments_dtype="bfloat16")``) the rule's states are
 stored in bfloat16 and nothing else changes: a sub-group's states are read into bfloat16 staging
@@ -61,7 +48,8 @@ from zinf_jax.config.zero import MOMENTS_DTYPES
 from zinf_jax.optim.grads_out import TierGrads
 from zinf_jax.optim.kernel import all_finite, sum_squares
 from zinf_jax.optim.rules import UpdateRule, make_rule
-from zinf_jax.optim.subgroups import BufferSet, Group, Pack, Pipe, pack_groups, sub_groups
+from zinf_jax.optim.subgroups import (PACK_BELOW, PACK_ELEMENTS, BufferSet, Group, Pack, Pipe, pack_groups,
+                                     sub_groups, work_name)
 from zinf_jax.optim.scaling import LossScaler, grad_scale, init_loss_scale, update_loss_scale
 from zinf_jax.tiers.base import ShardSpec, Tier, np_dtype
 from zinf_jax.tiers.direct import aligned_empty
@@ -73,12 +61,6 @@ if TYPE_CHECKING:
 __all__ = ["StreamedOptimizer", "StreamedAdam", "METADATA_KEY"]
 
 METADATA_KEY = "streamed_adam"  # the optimizer's own counters in the tier metadata
-
-PACK_BELOW = 1 << 16
-"""Shards of at most this many elements (in one sub-group) are updated in packs (See [Note: packs])."""
-
-PACK_ELEMENTS = 1 << 20
-"""Most elements of one pack (4 MB per float32 state)."""
 
 KEEP_POOL_BELOW = 256 << 20
 """A buffer pool of fewer bytes is kept from step to step; a larger one is freed after each step.
@@ -110,7 +92,7 @@ class StreamedOptimizer:
       state_dtype: how the rule's states (Adam's ``m`` and ``v``) are stored: ``"float32"``, or
         ``"bfloat16"`` (half the bytes on disk and in every read and write). See [Note: bf16 moments].
       pack_below: whole shards of at most this many elements are updated in packs (``0``: none); see
-        [Note: packs].
+        [Note: packs] in :mod:`~zinf_jax.optim.subgroups`.
     """
 
     def __init__(self, spec: Any, tier: Tier, layouts: Mapping[str, ParamLayout], *,
@@ -174,7 +156,7 @@ class StreamedOptimizer:
 
     # --- layout -------------------------------------------------------------
     def _plan(self) -> list[Group | Pack]:
-        """The step's units of work: the sub-groups in order, small whole shards in packs (See [Note: packs])."""
+        """The step's units of work: the sub-groups in order, small whole shards in packs (See [Note: packs] in :mod:`~zinf_jax.optim.subgroups`)."""
         return pack_groups(self._groups, self._pack_below, PACK_ELEMENTS, same=lambda g: self._names[g.path],
                            order=lambda g: self.rule.pack_key(g.path, self.layouts[g.path].shape))
 
@@ -506,7 +488,7 @@ class StreamedOptimizer:
             self._fill(pipe, j)
             bs = pipe.current = pipe.reads.popleft()
             t = time.perf_counter()
-            with TraceAnnotation("zinf/optimizer_read", param=_name(w)):
+            with TraceAnnotation("zinf/optimizer_read", param=work_name(w)):
                 for f in bs.pending:
                     f.result()
             bs.pending = []
@@ -571,7 +553,7 @@ class StreamedOptimizer:
 
     @property
     def packs(self) -> int:
-        """How many packs of small shards a step updates (See [Note: packs])."""
+        """How many packs of small shards a step updates (See [Note: packs] in :mod:`~zinf_jax.optim.subgroups`)."""
         return sum(isinstance(w, Pack) for w in self._work)
 
     def _update_pack(self, bs: BufferSet, pk: Pack, grad, write_params, *, step: int, lr: float,
@@ -589,10 +571,10 @@ class StreamedOptimizer:
                     np.copyto(g[off:off + gr.valid], np.asarray(part).reshape(-1), casting="unsafe")
         arrays = [a[:pk.size] for a in bs.arrays[:len(self._names[pk.members[0].path])]]
         spans = [(gr.path, self.layouts[gr.path].shape, off, off + gr.valid) for gr, off in zip(pk.members, pk.offsets)]
-        with TraceAnnotation("zinf/optimizer_update", param=_name(pk)):
+        with TraceAnnotation("zinf/optimizer_update", param=work_name(pk)):
             self.rule.update_many(spans, arrays, g[:pk.size], step=step, lr=lr, mult=mult)
         t_adam = time.perf_counter() - t
-        with TraceAnnotation("zinf/optimizer_write", param=_name(pk)):
+        with TraceAnnotation("zinf/optimizer_write", param=work_name(pk)):
             self._io(bs, pk, read=False)
         t = time.perf_counter()
         master = arrays[0]
@@ -602,10 +584,6 @@ class StreamedOptimizer:
         bs.pending += [f for f in outs if is_future(f)]
         return t_adam, time.perf_counter() - t
 
-
-def _name(w: Group | Pack) -> str:
-    """What the profiler regions name: the sub-group's parameter, or a pack's first and its size."""
-    return f"{w.members[0].path} +{len(w.members) - 1}" if isinstance(w, Pack) else w.path
 
 
 NORM_DONE = ""

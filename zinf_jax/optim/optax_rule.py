@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zinf_jax.optim.rules import Span
+from zinf_jax.optim.subgroups import Span
 
 __all__ = ["OptaxRule", "leading_global_clip"]
 

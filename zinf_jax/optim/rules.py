@@ -20,11 +20,9 @@ from typing import Any, Hashable, Mapping, Protocol, Sequence
 import numpy as np
 
 from zinf_jax.optim.adam import AdamSpec, adam_update_shard
+from zinf_jax.optim.subgroups import Span
 
-__all__ = ["UpdateRule", "AdamRule", "make_rule", "Span"]
-
-Span = tuple[str, tuple[int, ...], int, int]
-"""``(path, shape, start, stop)``: one parameter's shard in a pack of shards (see ``UpdateRule.update_many``)."""
+__all__ = ["UpdateRule", "AdamRule", "make_rule"]
 
 
 class UpdateRule(Protocol):
