@@ -156,7 +156,10 @@ class StreamedOptimizer:
 
     # --- layout -------------------------------------------------------------
     def _plan(self) -> list[Group | Pack]:
-        """The step's units of work: the sub-groups in order, small whole shards in packs (See [Note: packs] in :mod:`~zinf_jax.optim.subgroups`)."""
+        """The step's units of work: the sub-groups in order, small whole shards in packs.
+
+        See [Note: packs] in :mod:`~zinf_jax.optim.subgroups`.
+        """
         return pack_groups(self._groups, self._pack_below, PACK_ELEMENTS, same=lambda g: self._names[g.path],
                            order=lambda g: self.rule.pack_key(g.path, self.layouts[g.path].shape))
 
@@ -553,7 +556,7 @@ class StreamedOptimizer:
 
     @property
     def packs(self) -> int:
-        """How many packs of small shards a step updates (See [Note: packs] in :mod:`~zinf_jax.optim.subgroups`)."""
+        """How many packs of small shards a step updates (see :meth:`_plan`)."""
         return sum(isinstance(w, Pack) for w in self._work)
 
     def _update_pack(self, bs: BufferSet, pk: Pack, grad, write_params, *, step: int, lr: float,
@@ -583,7 +586,6 @@ class StreamedOptimizer:
         outs = write_params(items)
         bs.pending += [f for f in outs if is_future(f)]
         return t_adam, time.perf_counter() - t
-
 
 
 NORM_DONE = ""

@@ -113,7 +113,8 @@ def pool_geometry(shards: Sequence[tuple[int, int]], sub_group_size: int, below:
     for numel, count in shards:
         chunk, n = sub_groups(numel, sub_group_size)
         largest = max(largest, chunk)
-        groups += [Group("", 0, c, c * chunk, min(chunk, numel - c * chunk), n, 0) for _ in range(count) for c in range(n)]
+        cuts = [Group("", 0, c, c * chunk, min(chunk, numel - c * chunk), n, 0) for c in range(n)]
+        groups += cuts * count
     work = pack_groups(groups, below, most, same=lambda g: 0, order=lambda g: 0)
     packs = [w.size for w in work if isinstance(w, Pack)]
     return len(work), max([largest, *packs]), bool(packs)
