@@ -50,8 +50,8 @@ class UpdateRule(Protocol):
                     step: int, lr: float | None, mult: np.float32) -> None:
         """Updates the whole shards of several parameters packed into ``arrays`` (and ``grad``) in place.
 
-        ``spans``: ``(path, shape, start, stop)`` of each shard in the packed arrays, in order; each
-        shard is one whole sub-group (``stop - start`` elements, no padding).
+        ``spans``: ``(path, shape, start, stop)`` of each shard in the packed arrays, in order and side by
+        side (each starts where the one before stops); ``stop - start`` elements each, no padding.
         """
 
     def end_step(self, applied: bool) -> None:
@@ -82,10 +82,8 @@ class AdamRule:
 
     def update(self, path: str, shape: tuple[int, ...], arrays: Sequence[np.ndarray], grad: np.ndarray, *,
                valid: int, step: int, lr: float | None, mult: np.float32) -> None:
-        sp = self.spec
-        p, m, v = (a[:valid] for a in arrays)  # a padded tail stays zero: never touched
-        adam_update_shard(p, m, v, grad, step=step, lr=lr, b1=sp.b1, b2=sp.b2, eps=sp.eps,
-                          weight_decay=sp.decay_for(path, shape), eps_root=sp.eps_root, grad_scale=mult)
+        # a padded tail stays zero: never touched
+        self.update_many([(path, shape, 0, valid)], arrays, grad, step=step, lr=lr, mult=mult)
 
     def pack_key(self, path: str, shape: tuple[int, ...]) -> Hashable:
         return self.spec.decay_for(path, shape)
@@ -93,16 +91,17 @@ class AdamRule:
     def update_many(self, spans: Sequence[Span], arrays: Sequence[np.ndarray], grad: np.ndarray, *,
                     step: int, lr: float | None, mult: np.float32) -> None:
         """One kernel call per run of adjacent shards with the same weight decay (element-wise: the same numbers)."""
-        sp, i = self.spec, 0
-        while i < len(spans):
-            decay, start, j = sp.decay_for(spans[i][0], spans[i][1]), spans[i][2], i
-            while j + 1 < len(spans) and spans[j + 1][2] == spans[j][3] and \
-                    sp.decay_for(spans[j + 1][0], spans[j + 1][1]) == decay:
+        sp = self.spec
+        decays = [sp.decay_for(path, shape) for path, shape, _, _ in spans]
+        i = 0
+        while i < len(spans):  # spans lie side by side: a run of equal decay is one slice
+            j = i
+            while j + 1 < len(spans) and decays[j + 1] == decays[i]:
                 j += 1
-            stop = spans[j][3]
+            start, stop = spans[i][2], spans[j][3]
             p, m, v = (a[start:stop] for a in arrays)
             adam_update_shard(p, m, v, grad[start:stop], step=step, lr=lr, b1=sp.b1, b2=sp.b2, eps=sp.eps,
-                              weight_decay=decay, eps_root=sp.eps_root, grad_scale=mult)
+                              weight_decay=decays[i], eps_root=sp.eps_root, grad_scale=mult)
             i = j + 1
 
     def end_step(self, applied: bool) -> None:

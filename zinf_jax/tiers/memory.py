@@ -185,10 +185,7 @@ class _MemoryTier:
             spec = self._check(key, index, value)
             if value.dtype != _np(spec.dtype):
                 raise TierError(f"{self.kind} tier: shard of {key!r} has dtype {value.dtype}, declared {spec.dtype}")
-        with self._lock:
-            pending = [f for f in (self._puts.get((k, i)) for k, i, _ in items) if f is not None]
-        for f in pending:  # an earlier put of one of them still in flight lands first
-            f.result()
+        self._settle_many([(key, index) for key, index, _ in items])  # an earlier put still in flight lands first
         with self._lock:
             for key, index, value in items:
                 self._data[(key, index)] = value
