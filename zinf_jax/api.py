@@ -31,7 +31,7 @@ from zinf_jax.engine.streamed import ParamLoss
 from zinf_jax.engine.wrap import make_adapter
 from zinf_jax.errors import EngineError
 from zinf_jax.optim.choose import choose_optimizer
-from zinf_jax.plan.partition import auto_axes, make_mesh, no_mesh
+from zinf_jax.plan.partition import make_mesh, no_mesh
 from zinf_jax.plan.units import UnitPolicy
 
 __all__ = ["initialize", "restore", "Engine", "EngineError", "close_quietly"]
@@ -113,7 +113,7 @@ class Engine:
         Typed PRNG keys (``jax.random.key(step)``) are replicated, and NNX objects
         (an ``nnx.Rngs``) pass through as state.
         """
-        return shard_batch(batch, self.mesh)
+        return shard_batch(batch, self.mesh, self.components.model_mesh.model_axes)
 
     def train_step(self, batch: Any) -> dict[str, Any]:
         """One streamed forward/backward (per micro-batch) and one optimizer step.
@@ -179,7 +179,7 @@ class Engine:
             argument: pass a loss that calls the model with it (``train=False``).
         """
         self._usable("eval_step", batch)
-        with no_mesh(), model_sharding_explained():
+        with self.components.model_mesh.running(), model_sharding_explained():
             batch = self.shard_batch(batch)
             glue = self.store.fetch(self.adapter.glue_paths)
             return self.passes.forward(loss_fn or self.loss_fn, batch, glue, has_aux=True)  # as the loss returns it
@@ -201,7 +201,7 @@ class Engine:
                               "needs params in device or host memory (offload_param 'none' or 'cpu') and "
                               "ZeroConfig(engine='auto' or 'compiled')")
         k = self.config.gradient_accumulation_steps
-        with no_mesh(), model_sharding_explained():
+        with self.components.model_mesh.running(), model_sharding_explained():
             part = self.shard_batch(micro_batches(batch, k)[0])
             glue = self.store.fetch(self.adapter.glue_paths)
             return self.passes.lower(self.loss_fn, part, glue, has_aux=self.has_aux,
@@ -370,7 +370,7 @@ def _build(model: Any, *, config: ZeroConfig | None = None, mesh: Mesh | None = 
            init_args: tuple = (), init_kwargs: Mapping[str, Any] | None = None,
            unit_policy: UnitPolicy | None = None, logical_axis_rules: Any = None, **engine_kw: Any) -> Engine:
     config = config or ZeroConfig()
-    mesh = auto_axes(mesh) if mesh is not None else make_mesh()  # Explicit axes: see plan.partition.auto_axes
+    mesh = mesh if mesh is not None else make_mesh()  # as given: see plan.model_mesh (Explicit axes)
     optimizer = choose_optimizer(optimizer, config)
     adapter = make_adapter(model, policy=unit_policy, threshold=config.persistence_threshold, seed=config.seed,
                            persistent=config.persistent_params,

@@ -10,10 +10,12 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import zinf_jax as zinf
 from helpers.engine_utils import build, flat, nnx_adapter, optax_run, streamed_grads
 from helpers.llm_models import LookupLM, TiedHeadLM, lm_loss
+from helpers.tp_models import TPLM, tp_loss
 
 TOKENS = [np.random.default_rng(i).integers(0, 64, (8, 17)).astype(np.int32) for i in range(6)]
 THRESHOLD = 64
@@ -160,34 +162,70 @@ def test_linen_tied_tables_gradient_sums_both_uses():
     sm.prefetcher.close()
 
 
-class _EagerSharded(nnx.Module):
-    """Shards its own kernels (Flax eager sharding) or its own lookup (out_sharding in the glue)."""
+def _tp_reference(mesh, steps):
+    """Plain ``jit(value_and_grad)`` + optax.adamw of the TP model on the same Explicit mesh, its parameters
+    sharded by Flax's eager sharding and the batch split over ``fsdp``, as the model's own code runs it."""
+    tx = optax.adamw(3e-3, eps=EPS)
+    with jax.set_mesh(mesh):
+        return optax_run(TPLM(nnx.Rngs(0)), tx, TOKENS[:steps], loss_fn=tp_loss,
+                         place=lambda x: x if isinstance(x, jax.Array) else jax.device_put(x, P("fsdp")))
 
-    def __init__(self, rngs: nnx.Rngs, eager: bool):
-        meta = {"out_sharding": ("fsdp", "tp")} if eager else {}
+
+@pytest.fixture(scope="module")
+def tp_reference():
+    return _tp_reference(jax.make_mesh((4, 2), ("fsdp", "tp")), 5)
+
+
+@pytest.mark.parametrize("engine,tier", [("compiled", "cpu"), ("streamed", "nvme")])
+def test_tensor_parallel_model_on_an_explicit_fsdp_tp_mesh_trains_like_plain_jit(tp_reference, engine, tier,
+                                                                                 tmp_path):
+    """A model that splits its own kernels and activations over ``tp`` (Explicit axes, as ``jax.make_mesh``
+    gives them): ZeRO shards over ``fsdp``, each gathered parameter keeps the model's ``tp`` split, the
+    batch is replicated over ``tp``; both engines equal plain jit on the mesh."""
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tp"))
+    off = zinf.Offload(tier, path=str(tmp_path) if tier == "nvme" else None)
+    with jax.set_mesh(mesh):
+        eng = zinf.initialize(lambda: TPLM(nnx.Rngs(0)), loss_fn=tp_loss, optimizer=zinf.adamw(3e-3, eps=EPS),
+                              mesh=mesh, config=zinf.ZeroConfig(offload_param=off, offload_optimizer=off,
+                                                                persistence_threshold=16, engine=engine))
+        assert eng.mode == engine and eng.components.model_mesh.explicit == ("fsdp", "tp")
+        up, table = eng.layouts["blocks/0/up/kernel"], eng.layouts["embed/embedding"]
+        assert (up.spec, up.gathered_spec) == (P("fsdp"), P(None, "tp"))  # ZeRO on fsdp, the model's tp kept
+        assert (table.spec, table.gathered_spec) == (P(None, "fsdp"), P("tp", None))
+        assert eng.shard_batch(TOKENS[0]).sharding.spec == P("fsdp", None)  # replicated over tp
+        losses = [eng.train_step(t)["loss"] for t in TOKENS[:3]]
+        losses += [m["loss"] for m in eng.train_steps(TOKENS[3:5])]
+    ref_losses, ref = tp_reference
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    got = eng.param_arrays()
+    for k, v in ref.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-5, err_msg=k)
+    eng.close()
+
+
+class _ShardsItsLookup(nnx.Module):
+    """Shards its own lookup (out_sharding in the glue) but declares no parameter shardings."""
+
+    def __init__(self, rngs: nnx.Rngs):
         self.embed = nnx.Embed(64, 32, rngs=rngs)
-        self.blocks = nnx.List([nnx.Linear(32, 32, kernel_metadata=meta, rngs=rngs) for _ in range(2)])
+        self.blocks = nnx.List([nnx.Linear(32, 32, rngs=rngs) for _ in range(2)])
 
     def __call__(self, tokens):
-        P = jax.sharding.PartitionSpec
         x = self.embed.embedding[...].at[(tokens,)].get(out_sharding=P("fsdp", None, None))
         for b in self.blocks:
             x = x + b(x)
         return x @ self.embed.embedding[...].T
 
 
-@pytest.mark.parametrize("eager", [True, False], ids=["eager_sharding_metadata", "out_sharding_in_the_glue"])
-def test_a_model_that_shards_its_own_arrays_gets_one_error_naming_the_fix(eager):
-    mesh = jax.make_mesh((4, 2), ("fsdp", "tp"))
-    with jax.set_mesh(mesh):
-        build_it = lambda: zinf.initialize(lambda: _EagerSharded(nnx.Rngs(0), eager), loss_fn=lm_loss, mesh=mesh,  # noqa: E731
-                                           config=zinf.ZeroConfig(persistence_threshold=THRESHOLD, zero_axes=("fsdp",)))
-        if eager:
-            with pytest.raises(zinf.EngineError, match=r"shards its own arrays.*no_sharding\(\).*zinf.initialize"):
-                build_it()
-            return
-        eng = build_it()
-        with pytest.raises(zinf.EngineError, match="shards its own arrays"):
-            eng.train_step(TOKENS[0])
-        assert eng.step == 0
-        eng.close()
+@pytest.mark.parametrize("mesh_kind", ["explicit_without_specs", "auto_mesh"])
+def test_code_that_needs_explicit_axes_without_them_gets_one_error_naming_the_fix(mesh_kind):
+    if mesh_kind == "auto_mesh":  # the model declares its shardings, but the mesh has Auto axes
+        auto = (jax.sharding.AxisType.Auto,) * 2
+        mesh, ctor, loss = jax.make_mesh((4, 2), ("fsdp", "tp"), axis_types=auto), lambda: TPLM(nnx.Rngs(0)), tp_loss
+    else:
+        mesh, ctor, loss = jax.make_mesh((4, 2), ("fsdp", "tp")), lambda: _ShardsItsLookup(nnx.Rngs(0)), lm_loss
+    eng = zinf.initialize(ctor, loss_fn=loss, mesh=mesh, config=zinf.ZeroConfig(persistence_threshold=THRESHOLD))
+    with pytest.raises(zinf.EngineError, match=r"shards its own arrays.*Explicit.*out_sharding metadata"):
+        eng.train_step(TOKENS[0])
+    assert eng.step == 0
+    eng.close()

@@ -44,12 +44,14 @@ _OWN_SHARDING = ("mesh context", "out_sharding", "auto mesh")
 
 @contextlib.contextmanager
 def model_sharding_explained() -> Iterator[None]:
-    """Turns the errors of a model that shards its own arrays into one :class:`EngineError` naming the fix.
+    """Turns the errors of a model that shards its own arrays without Explicit mesh axes into one
+    :class:`EngineError` naming the fix.
 
-    Models written for JAX's sharding-in-types (Flax eager sharding: ``out_sharding`` metadata on their
-    variables; ``PartitionSpec`` s in their code: ``.at[...].get(out_sharding=...)``, ``jax.sharding.reshard``)
-    need the user's mesh while they trace; the engine's programs run without it (it does the ZeRO sharding
-    itself, on an Auto view of the mesh), so such code fails inside JAX with a message about a missing mesh.
+    Models written for JAX's sharding-in-types (``PartitionSpec`` s in their code:
+    ``.at[...].get(out_sharding=...)``, ``jax.sharding.reshard``, ``out_sharding=`` arguments) need
+    their mesh's axes Explicit while they trace (:mod:`zinf_jax.plan.model_mesh`); on a mesh with
+    Auto axes (``zinf.make_mesh()``, or one made with ``AxisType.Auto``) such code fails inside JAX
+    with a message about a missing mesh.
     """
     try:
         yield
@@ -58,11 +60,13 @@ def model_sharding_explained() -> Iterator[None]:
         if not any(h in text for h in _OWN_SHARDING):
             raise
         raise EngineError(
-            "the model shards its own arrays (Flax eager sharding: out_sharding metadata on its variables, or "
-            "PartitionSpecs in its code: .at[...].get(out_sharding=...), jax.sharding.reshard); zinf_jax does the "
-            "ZeRO sharding itself and traces the model without a mesh, so these cannot apply (tensor-parallel "
-            "model shardings are not supported yet): build the model without its sharding config (e.g. its "
-            "ShardConfig.no_sharding()) and pass the mesh to zinf.initialize(mesh=...). JAX said: "
+            "the model shards its own arrays (PartitionSpecs in its code: .at[...].get(out_sharding=...), "
+            "jax.sharding.reshard, out_sharding= arguments), which needs Explicit mesh axes while it traces. "
+            "zinf_jax runs a model's code with Explicit axes when the mesh passed to zinf.initialize(mesh=...) "
+            "has them (jax.make_mesh's default) and the model's parameters declare their shardings (Flax "
+            "out_sharding metadata: kernel_metadata={'out_sharding': P(...)}, nnx.with_partitioning), as "
+            "nnx.jit on that mesh would; it composes its ZeRO sharding with the model's (ZeRO over "
+            "ZeroConfig.zero_axes, the model's own spec on the other axes). JAX said: "
             f"{text.splitlines()[0][:300]}") from e
 
 
@@ -104,6 +108,7 @@ class Adapter(Protocol):
     glue_paths: list[str]
     abstract_params: dict[str, jax.ShapeDtypeStruct]
     layout_hints: dict[str, Any]  # path -> dim to shard first, or the mesh axes of each dim (see plan_partition)
+    own_shardings: bool  # written for sharding-in-types: its code runs with Explicit axes (plan.model_mesh)
 
     def program_key(self, uid: int, method: str, train: bool) -> Hashable: ...
 

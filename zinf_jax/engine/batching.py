@@ -14,7 +14,7 @@ keys, NNX ``Rngs`` objects) are shared by every micro-batch.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Collection
 
 import jax
 import numpy as np
@@ -62,13 +62,15 @@ def micro_batches(batch: Any, k: int) -> list[Any]:
             for i in range(k)]
 
 
-def shard_batch(batch: Any, mesh: Mesh) -> Any:
+def shard_batch(batch: Any, mesh: Mesh, model_axes: Collection[str] = ()) -> Any:
     """Places a process-local batch on ``mesh``, the leading axis split over the batch axes.
 
     Arrays already on the mesh stay; typed PRNG keys (``jax.random.key(step)``)
-    are replicated; NNX objects (an ``nnx.Rngs``) pass through as state.
+    are replicated; NNX objects (an ``nnx.Rngs``) pass through as state. ``model_axes``: the axes
+    the model splits its parameters over (tensor parallelism), which replicate the batch
+    (:func:`~zinf_jax.plan.partition.batch_axes_of`).
     """
-    parts = math.prod(mesh.shape[a] for a in batch_axes_of(mesh)) // max(1, jax.process_count())
+    parts = math.prod(mesh.shape[a] for a in batch_axes_of(mesh, model_axes)) // max(1, jax.process_count())
 
     def put(path: Any, x: Any) -> Any:
         if nnx.graph.is_graph_node(x):  # an nnx.Rngs passed with the batch: state, not data
@@ -85,6 +87,6 @@ def shard_batch(batch: Any, mesh: Mesh) -> Any:
                     "replicated, not split." if x.shape == (2,) and x.dtype == np.uint32 else "")
             raise ValueError(f"batch leaf {where} of shape {x.shape}: its leading (batch) axis is split over "
                              f"{parts} devices of this process and {x.shape[0]} does not divide by {parts}.{hint}")
-        return jax.make_array_from_process_local_data(NamedSharding(mesh, batch_spec(mesh, x.ndim)), x)
+        return jax.make_array_from_process_local_data(NamedSharding(mesh, batch_spec(mesh, x.ndim, model_axes)), x)
 
     return jax.tree_util.tree_map_with_path(put, batch, is_leaf=nnx.graph.is_graph_node)

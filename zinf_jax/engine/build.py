@@ -37,7 +37,9 @@ from zinf_jax.engine.wrap import trainable_paths
 from zinf_jax.optim.choose import loss_scaling, with_clipping
 from zinf_jax.optim.driver import StreamedOptimizer
 from zinf_jax.optim.fused import FusedAdam, fused_refusal
-from zinf_jax.plan.partition import ParamLayout, local_shard_devices, owns_shard, plan_partition, split_local
+from zinf_jax.plan.model_mesh import ModelMesh
+from zinf_jax.plan.partition import (ParamLayout, auto_axes, local_shard_devices, model_axes_of, owns_shard,
+                                     plan_partition, split_local)
 from zinf_jax.plan.placement import Placement, TierPlacement, place
 from zinf_jax.plan.units import persistent_paths
 from zinf_jax.tiers import Tier, open_tier
@@ -52,7 +54,8 @@ class Components:
     Attributes:
       adapter: the model's adapter (NNX or Linen): units, abstract params, the wrapped model.
       config: the settings.
-      mesh: the device mesh.
+      mesh: the device mesh the engine runs on (Auto axes).
+      model_mesh: the mesh as the model's own code sees it (its Explicit axes, tensor-parallel axes).
       layouts: how each parameter is partitioned, by path.
       trainable: the paths that are trained (the others are frozen).
       compute_dtype: the resolved compute dtype.
@@ -71,6 +74,7 @@ class Components:
     adapter: Any
     config: ZeroConfig
     mesh: Mesh
+    model_mesh: ModelMesh
     layouts: dict[str, ParamLayout]
     trainable: frozenset[str]
     compute_dtype: str
@@ -111,7 +115,8 @@ def build(adapter: Any, *, config: ZeroConfig, mesh: Mesh, optimizer: Any, init:
     Args:
       adapter: the model's adapter (:func:`~zinf_jax.engine.wrap.make_adapter`).
       config, mesh, param_loss, trainable, params, track_live_arrays: as for
-        :func:`zinf_jax.initialize` (``optimizer`` already chosen: a rule the driver runs).
+        :func:`zinf_jax.initialize` (``optimizer`` already chosen: a rule the driver runs; ``mesh`` as the
+        user gave it: the engine runs on its Auto view, the model's code with its Explicit axes).
       init: ``"fresh"`` creates the parameters (from ``params`` if given); ``"none"`` leaves the
         tiers empty for a checkpoint restore.
 
@@ -120,8 +125,10 @@ def build(adapter: Any, *, config: ZeroConfig, mesh: Mesh, optimizer: Any, init:
     trained = trainable_paths(adapter, trainable)
     pretrained = None if params is None else Pretrained(params, adapter.abstract_params)
     compute_dtype = config.resolved_compute_dtype(jax.devices()[0].platform)
+    user_mesh, mesh = mesh, auto_axes(mesh)
     layouts = plan_partition(adapter.abstract_params, mesh, config.persistence_threshold, adapter.layout_hints,
                              config.zero_axes, persistent_paths(adapter.abstract_params, config.persistent_params))
+    model_mesh = ModelMesh.of(user_mesh, model_axes_of(layouts.values(), mesh), adapter.own_shardings)
     where = place(config, compute_dtype)
     local = local_shard_devices(mesh, config.zero_axes)
 
@@ -175,15 +182,16 @@ def build(adapter: Any, *, config: ZeroConfig, mesh: Mesh, optimizer: Any, init:
                 adapter, store, host_params=where.params.device == "cpu",
                 grads_on_host=where.optimizer.device != "none",
                 activation_checkpointing=config.activation_checkpointing, param_loss=param_loss,
-                trainable=trained, sink=sink, gate=gate, fused=opt if fused else None)
+                trainable=trained, sink=sink, gate=gate, fused=opt if fused else None, model_mesh=model_mesh)
         else:
             passes = StreamedModel(
                 adapter, store, prefetch_depth=config.prefetch_depth, max_live_bytes=config.max_live_bytes,
                 offload_activations=config.offload_activations, track_live_arrays=track_live_arrays,
                 activation_checkpointing=config.activation_checkpointing, param_loss=param_loss,
-                trainable=trained, sink=sink, gate=gate,
+                trainable=trained, sink=sink, gate=gate, model_mesh=model_mesh,
             )
         undo.pop_all()
-    return Components(adapter=adapter, config=config, mesh=mesh, layouts=layouts, trainable=trained,
+    return Components(adapter=adapter, config=config, mesh=mesh, model_mesh=model_mesh, layouts=layouts,
+                      trainable=trained,
                       compute_dtype=compute_dtype, placement=where, param_tier=param_tier, opt_tier=opt_tier,
                       grad_tier=grad_tier, optimizer=opt, store=store, passes=passes, gate=gate)

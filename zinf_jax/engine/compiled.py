@@ -42,12 +42,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from zinf_jax.engine.glue import TraceCache, Traced, unit_out_shapes
 from zinf_jax.engine.grads import GradSink
 from zinf_jax.engine.overlap import WriteGate
-from zinf_jax.engine.programs import GATHERED, join_inputs
+from zinf_jax.engine.programs import GATHERED, gather, model_call
 from zinf_jax.engine.runs import Run, find_runs
 from zinf_jax.engine.store import ParamStore
 from zinf_jax.engine.streamed import JIT_MESSAGE
 from zinf_jax.errors import EngineError
 from zinf_jax.optim.fused import FusedAdam
+from zinf_jax.plan.model_mesh import ModelMesh
 from zinf_jax.plan.partition import ParamLayout, assemble_many, from_stored, stacked_layout
 from zinf_jax.plan.units import Plan
 
@@ -146,15 +147,18 @@ class CompiledModel:
       gate: holds the fetch of the parameters until an optimizer step in flight has written them.
       fused: the optimizer whose update the train program runs too (device-memory state and params;
         the sink then gets no gradients), or ``None``.
+      model_mesh: how the model's own code sees the mesh (its Explicit axes; default: none).
     """
 
     def __init__(self, adapter: Any, store: ParamStore, *, host_params: bool, grads_on_host: bool,
                  activation_checkpointing: bool = True, param_loss: Callable | None = None,
                  trainable: Collection[str] | None = None, sink: GradSink | None = None,
-                 gate: WriteGate | None = None, fused: FusedAdam | None = None):
+                 gate: WriteGate | None = None, fused: FusedAdam | None = None,
+                 model_mesh: ModelMesh | None = None):
         self.adapter = adapter
         self.store = store
         self.mesh = store.mesh
+        self.model_mesh = model_mesh or ModelMesh(store.mesh)
         self.units = adapter.units
         self.host_params = host_params
         self.grads_on_host = grads_on_host
@@ -193,7 +197,8 @@ class CompiledModel:
     # --- the program ------------------------------------------------------------------
     def _traced(self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array], train: bool) -> Traced:
         hit = self._traces.trace(self.adapter, loss_fn, list(glue), self.state, batch, train,
-                                 unit_out_shapes(self.adapter, self.store, train))
+                                 unit_out_shapes(self.adapter, self.store, train, self.model_mesh), self.model_mesh,
+                                 [self.store.layouts[p].gathered_spec for p in self.adapter.glue_paths])
         self.plan = hit.plan
         return hit
 
@@ -209,15 +214,15 @@ class CompiledModel:
         for lay, x in zip(layouts, placed):  # the barrier: see [Note: scanned runs]
             if _floating(x.dtype):
                 x = x.astype(self.compute_dtype)
-            x = jax.lax.with_sharding_constraint(x, self._rep)
-            out.append(checkpoint_name(from_stored(lay, x), GATHERED))
+            out.append(checkpoint_name(gather(lay, x, self.mesh), GATHERED))
         return out
 
     def _unit(self, uid: int, method: str, sig: tuple, train: bool, grad: bool) -> Callable:
-        fn, lays = self.adapter.unit_fn(uid, method, train), self._layouts[uid]
+        lays = self._layouts[uid]
+        call = model_call(self.adapter.unit_fn(uid, method, train), sig, lays, self.model_mesh)
 
         def run(stored, dyn):
-            return fn(self._gather(lays, stored), join_inputs(sig, dyn))
+            return call(self._gather(lays, stored), dyn)
 
         if not grad:
             return run
@@ -242,7 +247,8 @@ class CompiledModel:
         program, units, trained = traced.program, self.units, set(self._train_paths)
 
         def key(c: Any) -> tuple:
-            lays = tuple((l.kind, l.shape, l.dtype, l.dim, l.num_shards, l.axes) for l in self._layouts[c.uid])
+            lays = tuple((l.kind, l.shape, l.dtype, l.dim, l.num_shards, l.axes, l.gathered)
+                         for l in self._layouts[c.uid])
             return (self.adapter.program_key(c.uid, c.method, train), lays,
                     tuple(p in trained for p in units[c.uid].param_paths))
 
@@ -342,6 +348,7 @@ class CompiledModel:
                                   "(e.g. jnp.mean) — nothing was applied")
             g_trained, g_glue = vjp(jnp.full_like(loss, scale))
             g_trained = [self._grad_out(slots, slot, g) for slot, g in zip(slots.trained, g_trained)]
+            g_glue = [jax.lax.with_sharding_constraint(g, self._rep) for g in g_glue]  # one copy each (stepping)
             return loss, aux, new_state, batch_state, g_trained, g_glue
 
         return step

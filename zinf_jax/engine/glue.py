@@ -15,18 +15,25 @@ unit instead of every embedding add, layer norm and loss op one by one.
 
 As under ``jax.jit``, Python side effects of the loss run once, at trace time,
 and arrays it closes over are captured as constants.
+
+A model written for Explicit mesh axes is traced under the user's mesh with typed inputs, and each
+segment runs as a region of the model's code (:class:`~zinf_jax.plan.model_mesh.ModelMesh`, see
+[Note: model regions]); a unit call records its inputs' specs in its signature.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax.profiler import TraceAnnotation
+from jax.sharding import PartitionSpec as P
 
 from zinf_jax._internal import jax_private as core
 from zinf_jax.engine.programs import join_inputs, split_inputs
+from zinf_jax.plan.model_mesh import ModelMesh, spec_of
 from zinf_jax.plan.units import Plan
 
 __all__ = ["UnitCall", "Recorder", "GlueProgram", "Traced", "TraceCache", "unit_call_p", "unit_out_shapes",
@@ -43,7 +50,11 @@ unit_call_p.def_abstract_eval(lambda *args, call, out_avals: out_avals)
 
 @dataclasses.dataclass(frozen=True)
 class UnitCall:
-    """One unit call of a traced loss: which unit and method, its static inputs, the structure of its outputs."""
+    """One unit call of a traced loss: which unit and method, its static inputs, the structure of its outputs.
+
+    ``sig`` is :func:`~zinf_jax.engine.programs.split_inputs`' signature with the specs of the array
+    inputs appended (empty without Explicit axes; see :func:`~zinf_jax.engine.programs.model_call`).
+    """
 
     uid: int
     method: str
@@ -55,17 +66,23 @@ OutShapes = Callable[[int, str, Any, list], Any]
 """``(uid, method, sig, dyn) -> pytree of ShapeDtypeStruct``: what a unit call returns."""
 
 
-def unit_out_shapes(adapter: Any, store: Any, train: bool) -> OutShapes:
+def unit_out_shapes(adapter: Any, store: Any, train: bool, model_mesh: ModelMesh | None = None) -> OutShapes:
     """What a unit call returns: the adapter's unit function evaluated abstractly on its full parameters.
 
     Args:
       adapter: the model's adapter.
       store: the parameter store (the params' layouts and compute dtype).
       train: the unit functions' mode.
+      model_mesh: with Explicit axes, the parameters are typed with their gathered specs and the
+        inputs with their recorded ones, so the outputs come typed (see [Note: model regions]).
     """
+    mm = model_mesh or ModelMesh(store.mesh)
+
     def out_shapes(uid: int, method: str, sig: Any, dyn: list) -> Any:
-        full = [jax.ShapeDtypeStruct(store.layouts[p].shape, store.dtype_of(p)) for p in adapter.units[uid].param_paths]
-        sds = [jax.ShapeDtypeStruct(jnp.shape(x), jax.typeof(x).dtype) for x in dyn]
+        lays = [store.layouts[p] for p in adapter.units[uid].param_paths]
+        full = [mm.typed(jax.ShapeDtypeStruct(l.shape, store.dtype_of(l.path)), l.gathered_spec) for l in lays]
+        specs = sig[2] if len(sig) > 2 and sig[2] else [P()] * len(dyn)
+        sds = [mm.typed(x, spec) for x, spec in zip(dyn, specs)]
         fn = adapter.unit_fn(uid, method, train)
         return jax.eval_shape(lambda f, d: fn(f, join_inputs(sig, d)), full, sds)
 
@@ -77,16 +94,23 @@ class Recorder:
 
     Args:
       out_shapes: the output shapes of a unit call (an abstract evaluation of its program).
+      typed: the model has Explicit axes: each call's signature records its inputs' specs, and its
+        outputs keep the types the abstract evaluation gave them (see [Note: model regions]).
     """
 
-    def __init__(self, out_shapes: OutShapes):
+    def __init__(self, out_shapes: OutShapes, typed: bool = False):
         self._out_shapes = out_shapes
+        self._typed = typed
         self.calls: list[UnitCall] = []
 
     def __call__(self, uid: int, method: str, inputs: Any) -> Any:
         dyn, sig = split_inputs(f"unit {uid}.{method}", inputs)
+        sig = (*sig, tuple(spec_of(x) for x in dyn) if self._typed else ())
         leaves, tree = jax.tree.flatten(self._out_shapes(uid, method, sig, dyn))
-        avals = tuple(core.ShapedArray(s.shape, s.dtype, weak_type=getattr(s, "weak_type", False)) for s in leaves)
+        if self._typed:
+            avals = tuple(jax.typeof(s) for s in leaves)
+        else:
+            avals = tuple(core.ShapedArray(s.shape, s.dtype, weak_type=getattr(s, "weak_type", False)) for s in leaves)
         k = len(self.calls)
         self.calls.append(UnitCall(uid, method, sig, tree))
         return jax.tree.unflatten(tree, unit_call_p.bind(*dyn, call=k, out_avals=avals))
@@ -110,10 +134,13 @@ class GlueProgram:
       closed: the traced loss (``jax.make_jaxpr`` output) with unit calls as
         ``zinf_unit_call`` equations.
       calls: the unit calls recorded while tracing, in order.
+      model_mesh: each segment runs as a region of the model's code with its inputs' traced specs
+        (see [Note: model regions]); ``None``: as traced.
     """
 
-    def __init__(self, closed: core.ClosedJaxpr, calls: Sequence[UnitCall]):
+    def __init__(self, closed: core.ClosedJaxpr, calls: Sequence[UnitCall], model_mesh: ModelMesh | None = None):
         self.calls = tuple(calls)
+        self._model_mesh = model_mesh
         jaxpr = closed.jaxpr
         self._invars = list(jaxpr.invars)
         self._outvars = list(jaxpr.outvars)
@@ -161,7 +188,10 @@ class GlueProgram:
                 info = core.DebugInfo("zinf_jax glue", f"segment {i}", tuple(f"in{j}" for j in range(len(s.ins))),
                                       tuple(f"out{j}" for j in range(len(s.outs))))
                 sub = core.Jaxpr([], s.ins, s.outs, s.eqns, s.effects, debug_info=info)
-                s.fn = jax.jit(_as_fun(core.ClosedJaxpr(sub, [])))
+                fn = _as_fun(core.ClosedJaxpr(sub, []))
+                if self._model_mesh is not None:
+                    fn = self._model_mesh.region(fn, tuple(spec_of(v.aval) for v in s.ins))
+                s.fn = jax.jit(fn)
         for v, i in last.items():
             if v not in keep:
                 self.steps[i].drop.append(v)
@@ -245,6 +275,12 @@ class Traced:
         return jax.tree.unflatten(self.out_tree, leaves)
 
 
+def _placed_spec(x: Any) -> P:
+    """The spec of a batch leaf as placed on the mesh (``P()`` for host values)."""
+    spec = getattr(getattr(x, "sharding", None), "spec", None)
+    return P() if spec is None else P(*spec)
+
+
 def _avals(leaves: Sequence[Any]) -> tuple:
     return tuple((jnp.shape(x), jax.typeof(x).dtype, getattr(jax.typeof(x), "weak_type", False)) for x in leaves)
 
@@ -264,8 +300,14 @@ class TraceCache:
         return list(self._traces.values())
 
     def trace(self, adapter: Any, loss_fn: Callable, glue: list, state: Any, batch: Any, train: bool,
-              out_shapes: Callable[[int, str, Any, list], Any]) -> Traced:
-        """``loss_fn`` run by ``adapter`` on these inputs, traced now or taken from the cache, with this pass's inputs."""
+              out_shapes: Callable[[int, str, Any, list], Any], model_mesh: ModelMesh | None = None,
+              glue_specs: Sequence[P] = ()) -> Traced:
+        """``loss_fn`` run by ``adapter`` on these inputs, traced now or taken from the cache, with this pass's inputs.
+
+        With a ``model_mesh`` that has Explicit axes the loss is traced under the user's mesh, the glue
+        parameters typed ``glue_specs`` (their gathered specs), the model state replicated and the
+        batch as it is placed (see [Note: model regions]).
+        """
         sdyn, ssig = split_inputs("model state", state)
         bdyn, bsig = split_inputs("batch", batch)
         key = (loss_fn, train, ssig, bsig, _avals(glue), _avals(sdyn), _avals(bdyn))
@@ -273,7 +315,8 @@ class TraceCache:
         if hit is None:
             if len(self._traces) >= MAX_TRACES:  # a new loss_fn object per call would grow it without bound
                 self._traces.pop(next(iter(self._traces)))
-            rec = Recorder(out_shapes)
+            typed = model_mesh is not None and bool(model_mesh.explicit)
+            rec = Recorder(out_shapes, typed)
             tree = []
 
             def flat(g, s, b):
@@ -282,7 +325,14 @@ class TraceCache:
                 tree.append(t)
                 return leaves
 
-            closed = jax.make_jaxpr(flat)(glue, sdyn, bdyn)
+            args: tuple = (glue, sdyn, bdyn)
+            if typed:
+                args = ([model_mesh.typed(x, p) for x, p in zip(glue, glue_specs)],
+                        [model_mesh.typed(x, P()) for x in sdyn],
+                        [model_mesh.typed(x, _placed_spec(x)) for x in bdyn])
+            with model_mesh.tracing() if typed else contextlib.nullcontext():
+                closed = jax.make_jaxpr(flat)(*args)
             plan = Plan(calls=tuple((c.uid, c.method) for c in rec.calls), units=self.units)
-            hit = self._traces[key] = Traced(GlueProgram(closed, rec.calls), tree[0], plan)
+            hit = self._traces[key] = Traced(GlueProgram(closed, rec.calls, model_mesh if typed else None),
+                                             tree[0], plan)
         return dataclasses.replace(hit, args=[*glue, *sdyn, *bdyn])

@@ -158,6 +158,7 @@ class LinenAdapter:
         self.abstract_params = {path_str(p): jax.ShapeDtypeStruct(v.shape, v.dtype) for p, v in flat.items()}
         self.layout_hints = {p: axes for p, b in self._boxes.items()
                              if (axes := _mesh_axes(b, logical_axis_rules)) is not None}
+        self.own_shardings = False  # boxes are pjit's (Auto axes) idiom: the code runs on the Auto view
         self._state_abstract = {c: meta.unbox(v) for c, v in variables.items() if c != "params" and c not in TRANSIENT}
         sizes = {p: int(v.size) for p, v in flat.items()}
         modules = {p: seen[p] for p in sorted(seen, key=len)}

@@ -25,6 +25,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 import jax
 from flax import nnx
+from flax.core import spmd as core_spmd
 
 from zinf_jax.engine.adapters import READ, EngineError, Hook, HookSlot, InitTrace, exact_jit_call, get_path, leaf_paths
 from zinf_jax.plan.units import Unit, UnitPolicy, UnitPolicyError, nbytes_of, path_str, select_units
@@ -53,6 +54,30 @@ def _set(module: Any, path: tuple[Any, ...], value: Any) -> None:
 
 def _variables(module: Any) -> dict[tuple[Any, ...], nnx.Variable]:
     return {p: v for p, v in nnx.iter_graph(module) if isinstance(v, nnx.Variable)}
+
+
+def _without_eager_sharding(constructor: Callable[[], nnx.Module]) -> Callable[[], nnx.Module]:
+    """The constructor with Flax's eager sharding off: the engine places every parameter itself (its
+    ``out_sharding`` metadata is read as the model's own spec, :func:`_own_spec`), and a model built for
+    a mesh then traces without one."""
+    def build() -> nnx.Module:
+        with nnx.use_eager_sharding(False):
+            return constructor()
+
+    return build
+
+
+def _own_spec(var: nnx.Variable) -> tuple | None:
+    """The mesh axes of each dimension of a parameter, from its ``out_sharding`` metadata (Flax eager
+    sharding, ``nnx.with_partitioning``; logical names mapped by its ``sharding_rules`` and the rules in
+    context), or ``None`` when it names none."""
+    meta = var.get_metadata()
+    spec = meta.get("out_sharding")
+    if spec is None:
+        return None
+    spec = core_spmd.apply_rules(spec, meta.get("sharding_rules"))
+    spec = tuple(getattr(spec, "spec", spec))
+    return spec if any(e is not None for e in spec) else None
 
 
 class _UnitCaller:
@@ -145,17 +170,19 @@ class NnxAdapter:
 
     def __init__(self, constructor: Callable[[], nnx.Module], policy: UnitPolicy, threshold: int,
                  persistent: Sequence[str] = ()):
-        self.constructor = constructor
+        self.constructor = _without_eager_sharding(constructor)
         self.hook = HookSlot()
         self._run = threading.local()  # sown attributes added during the pass in progress
         self._init_trace: InitTrace | None = None  # the initialisers, traced at the first init_params
-        abstract = nnx.eval_shape(constructor)
+        abstract = nnx.eval_shape(self.constructor)
         canon = {id(v): path_str(p) for p, v in nnx.iter_graph(abstract) if isinstance(v, nnx.Param)}
         pstate = nnx.state(abstract, nnx.Param)
         paths = leaf_paths(pstate)
         leaves = jax.tree.leaves(pstate)
         self.abstract_params = {path_str(p): jax.ShapeDtypeStruct(l.shape, l.dtype) for p, l in zip(paths, leaves)}
-        self.layout_hints: dict[str, int] = {}
+        self.layout_hints = {canon[id(v)]: spec for _, v in nnx.iter_graph(abstract)
+                             if isinstance(v, nnx.Param) and (spec := _own_spec(v)) is not None}
+        self.own_shardings = bool(self.layout_hints)  # Flax eager sharding's metadata: see plan.model_mesh
         modules = dict(nnx.iter_modules(abstract))
         sizes = {p: int(l.size) for p, l in zip(paths, leaves)}
         self._unit_paths = select_units(

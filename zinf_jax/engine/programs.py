@@ -7,7 +7,8 @@ therefore one compilation. Inputs and outputs are pytrees; integer leaves
 (RNG counters, token ids) are carried through but not differentiated.
 
 Inside a program the stored, sharded parameters are all-gathered with a
-sharding constraint to replicated, padding is removed, and the unit runs. The
+sharding constraint to replicated (to the model's own tensor-parallel spec where
+it has one), padding is removed, and the unit runs. The
 backward program recomputes the forward (activation checkpoint at the unit
 boundary), takes the vjp with respect to float32 copies of the stored
 parameters and to the floating inputs, and constrains parameter gradients back
@@ -25,9 +26,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jax.ad_checkpoint import checkpoint_name
 
 from zinf_jax.engine.adapters import EngineError
+from zinf_jax.plan.model_mesh import ModelMesh
 from zinf_jax.plan.partition import ParamLayout, from_stored
 
-__all__ = ["UnitPrograms", "UnitFn", "Penalty", "split_diff", "split_inputs", "join_inputs"]
+__all__ = ["UnitPrograms", "UnitFn", "Penalty", "split_diff", "split_inputs", "join_inputs", "gather", "model_call"]
 
 UnitFn = Callable[[list[jax.Array], list[Any]], Any]
 """``(full_params, dyn_inputs) -> outputs``: a unit call as a pure function of its array inputs."""
@@ -76,13 +78,36 @@ def _hashable(v: Any) -> bool:
     return True
 
 
-def join_inputs(sig: tuple[Any, tuple[tuple[int, Any], ...]], dyn: Sequence[Any]) -> Any:
-    """Inverse of :func:`split_inputs`: the call's inputs from its signature and array leaves."""
-    treedef, fixed = sig
+def join_inputs(sig: tuple, dyn: Sequence[Any]) -> Any:
+    """Inverse of :func:`split_inputs`: the call's inputs from its signature and array leaves.
+
+    A unit call's signature may carry its inputs' specs as a third member (see :func:`model_call`).
+    """
+    treedef, fixed = sig[0], sig[1]
     leaves = list(dyn)
     for pos, value in fixed:
         leaves.insert(pos, value)
     return jax.tree.unflatten(treedef, leaves)
+
+
+def gather(lay: ParamLayout, x: jax.Array, mesh: Mesh) -> jax.Array:
+    """A stored parameter inside a program, gathered: all-gathered over the zero axes, padding removed, and
+    split as the model's own code expects it (:attr:`~zinf_jax.plan.partition.ParamLayout.gathered`)."""
+    x = from_stored(lay, jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P())))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, lay.gathered_spec)) if lay.gathered else x
+
+
+def model_call(fn: Callable[[list[jax.Array], Any], Any], sig: tuple, layouts: Sequence[ParamLayout],
+               model_mesh: ModelMesh | None) -> UnitFn:
+    """A unit call ``fn(full_params, inputs)`` as a function of the gathered parameters and the array inputs,
+    run as a region of the model's code: the parameters typed with their gathered specs, the inputs with the
+    specs the call recorded in ``sig`` (see [Note: model regions]; as it is without Explicit axes)."""
+    def call(full, dyn):
+        return fn(full, join_inputs(sig, dyn))
+
+    if model_mesh is None or not model_mesh.explicit:
+        return call
+    return model_mesh.region(call, ([lay.gathered_spec for lay in layouts], list(sig[2])))
 
 
 class UnitPrograms:
@@ -103,12 +128,11 @@ class UnitPrograms:
         return len(self._fwd) + len(self._bwd)
 
     def _gather(self, layouts: Sequence[ParamLayout], stored: Sequence[jax.Array]) -> list[jax.Array]:
-        rep = NamedSharding(self.mesh, P())
         out = []
         for lay, p in zip(layouts, stored):
             if jnp.issubdtype(p.dtype, jnp.floating):
                 p = p.astype(self.compute_dtype)
-            out.append(checkpoint_name(from_stored(lay, jax.lax.with_sharding_constraint(p, rep)), GATHERED))
+            out.append(checkpoint_name(gather(lay, p, self.mesh), GATHERED))
         return out
 
     def _full32(self, layouts: Sequence[ParamLayout], stored: Sequence[jax.Array]) -> list[jax.Array]:

@@ -146,7 +146,7 @@ class Stepper:
 
         ``after``: run before the first backward (the sink is then not cleared at the start).
         """
-        with no_mesh(), model_sharding_explained():  # not under a mesh the caller set (plan.partition.no_mesh)
+        with self.c.model_mesh.running(), model_sharding_explained():  # not under a mesh the caller set
             return self._forward_backward_on_mesh(batch, objective, after)
 
     def _forward_backward_on_mesh(self, batch: Any, objective: Loss, after: Callable[[], None] | None) -> _Grads:
@@ -161,7 +161,7 @@ class Stepper:
         losses, auxes = [], []
         try:
             for i, part in enumerate(parts):  # each backward seeded with scale / k: the sink sums the mean gradient
-                part = shard_batch(part, eng.mesh)
+                part = shard_batch(part, eng.mesh, eng.model_mesh.model_axes)
                 loss, aux, g_glue = eng.passes.forward_backward(
                     objective.fn, part, glue, has_aux=objective.has_aux, loss_scale=eng.optimizer.loss_scale / k,
                     accumulate=i > 0 or after is not None, before_backward=after if i == 0 else None,

@@ -45,8 +45,9 @@ from zinf_jax.engine.glue import TraceCache, Traced, UnitCall, unit_out_shapes
 from zinf_jax.engine.grads import GradSink
 from zinf_jax.engine.overlap import WriteGate
 from zinf_jax.engine.prefetch import Prefetcher
-from zinf_jax.engine.programs import Penalty, UnitPrograms, join_inputs
+from zinf_jax.engine.programs import Penalty, UnitPrograms, model_call
 from zinf_jax.engine.store import ParamStore
+from zinf_jax.plan.model_mesh import ModelMesh
 from zinf_jax.plan.units import Plan
 
 __all__ = ["StreamedModel", "EngineError", "Phase", "ParamLoss", "JIT_MESSAGE"]
@@ -135,6 +136,7 @@ class StreamedModel:
       sink: where unit gradients go (default: a host :class:`GradSink`).
       gate: holds a unit's fetch until an optimizer step in flight has written
         its parameters (see :mod:`zinf_jax.engine.overlap`).
+      model_mesh: how the model's own code sees the mesh (its Explicit axes; default: none).
     """
 
     def __init__(
@@ -151,10 +153,12 @@ class StreamedModel:
         trainable: Collection[str] | None = None,
         sink: GradSink | None = None,
         gate: WriteGate | None = None,
+        model_mesh: ModelMesh | None = None,
     ):
         self.adapter = adapter
         self.store = store
         self.mesh = store.mesh
+        self.model_mesh = model_mesh or ModelMesh(store.mesh)
         self.programs = UnitPrograms(store.mesh, store.compute_dtype)
         self.sink = sink or GradSink(store.layouts, store.mesh)
         self.units = adapter.units
@@ -219,7 +223,8 @@ class StreamedModel:
     def _traced(self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array], train: bool) -> Traced:
         """The loss traced for these inputs' signature (cached, like ``jax.jit``'s traces)."""
         hit = self._traces.trace(self.adapter, loss_fn, list(glue), self.state, batch, train,
-                                 unit_out_shapes(self.adapter, self.store, train))
+                                 unit_out_shapes(self.adapter, self.store, train, self.model_mesh), self.model_mesh,
+                                 [self.store.layouts[p].gathered_spec for p in self.adapter.glue_paths])
         self.plan = hit.plan
         return hit
 
@@ -255,6 +260,8 @@ class StreamedModel:
             if before_backward is not None:
                 before_backward()
             g_glue, _ = vjp(jnp.full_like(loss, loss_scale))
+            rep = NamedSharding(self.mesh, P())  # the model's own code may leave them split (tensor parallelism)
+            g_glue = [g if g.sharding.is_fully_replicated else jax.device_put(g, rep) for g in g_glue]
         finally:
             self._end(p)
         self.state = new_state
@@ -326,12 +333,12 @@ class StreamedModel:
         return unit
 
     def _unit_fn(self, uid: int, method: str, sig: tuple, train: bool) -> Callable:
-        """The adapter's unit function of the array inputs, with the static leaves put back."""
-        fn = self.adapter.unit_fn(uid, method, train)
-        return lambda full, dyn: fn(full, join_inputs(sig, dyn))
+        """The adapter's unit function of the array inputs, with the static leaves put back (a region of the
+        model's code: see :func:`~zinf_jax.engine.programs.model_call`)."""
+        return model_call(self.adapter.unit_fn(uid, method, train), sig, self._layouts[uid], self.model_mesh)
 
     def _key(self, uid: int, method: str, sig: tuple, train: bool) -> tuple:
-        lays = tuple((l.kind, l.shape, l.dtype, l.dim, l.num_shards) for l in self._layouts[uid])
+        lays = tuple((l.kind, l.shape, l.dtype, l.dim, l.num_shards, l.gathered) for l in self._layouts[uid])
         return (self.adapter.program_key(uid, method, train), sig, lays)
 
     def _forward(self, p: _Pass, uid: int, method: str, sig: tuple, dyn: list, save: bool = False) -> Any:

@@ -11,9 +11,14 @@ of the zero axes' sizes:
 * ``persistent``: at or under the persistence threshold (in elements), it stays
   whole on every device, like DeepSpeed's persistent parameters.
 
-A batch's leading dimension is split over every axis but ``tensor``
-(:func:`batch_axes_of`). The decision per parameter is plain data
-(:class:`ParamLayout`), printable as a table with :func:`format_table`.
+A model may shard its own parameters for tensor parallelism (Flax ``out_sharding`` metadata,
+Linen ``nn.with_partitioning`` boxes): ZeRO composes with that spec. The stored shards are split over
+the zero axes only; inside the model's code a gathered parameter has the model's own spec without the
+zero axes (:attr:`ParamLayout.gathered`), e.g. ``P("fsdp", "tp")`` stored over ``fsdp``, gathered to
+``P(None, "tp")``. A batch's leading dimension is split over every axis but the model's own
+(``tensor``, ``tp``, and any other axis its parameters are split over besides the zero axes:
+:func:`batch_axes_of`). The decision per parameter is plain data (:class:`ParamLayout`), printable as a
+table with :func:`format_table`.
 """
 from __future__ import annotations
 
@@ -40,6 +45,7 @@ __all__ = [
     "zero_axes_of",
     "batch_axes_of",
     "batch_spec",
+    "model_axes_of",
     "plan_partition",
     "to_stored",
     "from_stored",
@@ -56,11 +62,13 @@ __all__ = [
 FSDP = "fsdp"
 """Name of the mesh axis of :func:`make_mesh` that carries ZeRO-3 partitioning."""
 
-REPLICA_AXES = ("data", "tensor")
-"""Axes of :func:`make_mesh` that replicate parameters (not zero axes by default)."""
+REPLICA_AXES = ("data", "tensor", "tp")
+"""Axes that replicate parameters (not zero axes by default): data parallelism, and the tensor-parallel
+axes of :func:`make_mesh` (``tensor``) and of public model code (``tp``)."""
 
-MODEL_AXES = ("tensor",)
-"""Axes that replicate the batch too (every other axis splits it)."""
+MODEL_AXES = ("tensor", "tp")
+"""Axes that replicate the batch too (every other axis splits it, but those the model splits its
+parameters over: see :func:`batch_axes_of`)."""
 
 
 def make_mesh(
@@ -136,7 +144,7 @@ def zero_axes_of(mesh: Mesh, zero_axes: Sequence[str] | None = None) -> tuple[st
     Args:
       mesh: the mesh.
       zero_axes: axis names (``ZeroConfig.zero_axes``); ``None``: every axis
-        not named ``data`` or ``tensor`` (every axis if there is no other).
+        not named ``data``, ``tensor`` or ``tp`` (every axis if there is no other).
 
     Returns:
       The axis names; shard indices run over them in row-major order.
@@ -156,9 +164,14 @@ def zero_axes_of(mesh: Mesh, zero_axes: Sequence[str] | None = None) -> tuple[st
     return axes
 
 
-def batch_axes_of(mesh: Mesh) -> tuple[str, ...]:
-    """The mesh axes a batch's leading dimension is split over: all but ``tensor``, in mesh order."""
-    return tuple(a for a in mesh.axis_names if a not in MODEL_AXES)
+def batch_axes_of(mesh: Mesh, model_axes: Collection[str] = ()) -> tuple[str, ...]:
+    """The mesh axes a batch's leading dimension is split over, in mesh order.
+
+    Every axis but ``tensor``, ``tp`` and ``model_axes`` (the axes the model splits its own
+    parameters over besides the zero axes: :func:`model_axes_of`): tensor parallelism replicates
+    the batch over its axes.
+    """
+    return tuple(a for a in mesh.axis_names if a not in MODEL_AXES and a not in model_axes)
 
 
 def _axes_entry(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
@@ -166,9 +179,9 @@ def _axes_entry(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
     return axes[0] if len(axes) == 1 else (axes or None)
 
 
-def batch_spec(mesh: Mesh, ndim: int = 1) -> P:
+def batch_spec(mesh: Mesh, ndim: int = 1, model_axes: Collection[str] = ()) -> P:
     """PartitionSpec that splits a batch's leading dimension over :func:`batch_axes_of`."""
-    return P(_axes_entry(batch_axes_of(mesh)), *([None] * (ndim - 1)))
+    return P(_axes_entry(batch_axes_of(mesh, model_axes)), *([None] * (ndim - 1)))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -183,6 +196,8 @@ class ParamLayout:
       dim: the sharded dimension of the stored array (``None`` when persistent).
       num_shards: shard count (the product of the zero axes' sizes; 1 when persistent).
       axes: the mesh axes the sharded dimension is split over (:func:`zero_axes_of`).
+      gathered: the PartitionSpec entries of the gathered parameter inside the model's code: the
+        model's own spec without the zero axes (its tensor parallelism); ``()``: replicated.
     """
 
     path: str
@@ -192,6 +207,7 @@ class ParamLayout:
     dim: int | None
     num_shards: int
     axes: tuple[str, ...] = (FSDP,)
+    gathered: tuple[str | tuple[str, ...] | None, ...] = ()
 
     @property
     def size(self) -> int:
@@ -220,6 +236,11 @@ class ParamLayout:
             return P()
         return P(*([None] * self.dim), _axes_entry(self.axes))
 
+    @property
+    def gathered_spec(self) -> P:
+        """PartitionSpec of the gathered parameter in the model's code (see :attr:`gathered`)."""
+        return P(*self.gathered)
+
     def bytes_per_device(self, dtype: Any = None) -> int:
         """Bytes of one shard in ``dtype`` (default: the parameter's own)."""
         item = jnp.dtype(dtype or self.dtype).itemsize
@@ -228,6 +249,30 @@ class ParamLayout:
 
 Hint = int | tuple[str | tuple[str, ...] | None, ...]
 """A layout hint: the dimension to shard first, or the mesh axes of each dimension (a PartitionSpec)."""
+
+
+def _names(entry: Any) -> tuple[str, ...]:
+    """The axis names of one PartitionSpec entry (``None``, a name, or a tuple of names)."""
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+def _gathered(hint: Hint | None, mesh: Mesh, axes: tuple[str, ...], ndim: int) -> tuple:
+    """The model's own spec (a hint naming mesh axes per dimension) without the zero axes and the axes
+    the mesh lacks; ``()`` when nothing is left (replicated)."""
+    if hint is None or isinstance(hint, int) or len(hint) != ndim:
+        return ()
+    out = []
+    for entry in hint:
+        kept = tuple(a for a in _names(entry) if a in mesh.axis_names and a not in axes)
+        out.append(kept[0] if len(kept) == 1 else (kept or None))
+    return tuple(out) if any(e is not None for e in out) else ()
+
+
+def model_axes_of(layouts: Iterable[ParamLayout], mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes the model splits its gathered parameters over (its tensor parallelism), in mesh order,
+    with ``tensor`` and ``tp`` when the mesh has them: the batch is replicated over these."""
+    used = {a for lay in layouts for e in lay.gathered for a in _names(e)} | set(MODEL_AXES)
+    return tuple(a for a in mesh.axis_names if a in used)
 
 
 def _hint_dim(hint: Hint | None, axes: tuple[str, ...]) -> int | None:
@@ -257,8 +302,10 @@ def plan_partition(
       persistence_threshold: parameters with at most this many elements stay
         whole on every device.
       hints: path to the dimension to shard first, or to the mesh axes of each
-        dimension (from the model's own partitioning annotations: the first
-        dimension mapped to a zero axis); used when it divides by the shard count.
+        dimension (the model's own partitioning annotations: the first
+        dimension mapped to a zero axis is sharded first, when it divides by the
+        shard count; the axes that are not zero axes are the gathered
+        parameter's spec, :attr:`ParamLayout.gathered`).
       zero_axes: the axes to shard over (see :func:`zero_axes_of`); the shard
         count is the product of their sizes.
       persistent: paths kept whole on every device whatever their size
@@ -288,7 +335,8 @@ def plan_partition(
             kind = "sharded" if dim is not None else "flat"
             dim = 0 if dim is None else dim
         out[path] = ParamLayout(
-            path=path, shape=shape, dtype=dtype, kind=kind, dim=dim, num_shards=1 if dim is None else n, axes=axes
+            path=path, shape=shape, dtype=dtype, kind=kind, dim=dim, num_shards=1 if dim is None else n, axes=axes,
+            gathered=_gathered((hints or {}).get(path), mesh, axes, len(shape)),
         )
     return out
 
@@ -480,16 +528,21 @@ def _index_of_device(mesh: Mesh, axes: tuple[str, ...]) -> dict[jax.Device, int]
 
 
 def format_table(layouts: Iterable[ParamLayout], dtype: Any = None) -> str:
-    """A readable table: path, shape, kind, spec, bytes per device."""
-    rows = [("path", "shape", "kind", "spec", "bytes/device")]
+    """A readable table: path, shape, kind, spec (and the gathered spec, where the model has its own), bytes per device."""
+    layouts = list(layouts)
+    tp = any(lay.gathered for lay in layouts)
+    head = ("path", "shape", "kind", "spec", *(("gathered",) if tp else ()), "bytes/device")
+    rows = [head]
     total = 0
     for lay in layouts:
         b = lay.bytes_per_device(dtype)
         total += b
-        rows.append((lay.path, str(lay.shape), lay.kind, str(tuple(lay.spec)), f"{b:,}"))
-    rows.append(("total", "", "", "", f"{total:,}"))
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    lines = ["  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+        extra = (str(tuple(lay.gathered)) if lay.gathered else "replicated",) if tp else ()
+        rows.append((lay.path, str(lay.shape), lay.kind, str(tuple(lay.spec)), *extra, f"{b:,}"))
+    rows.append(("total", *([""] * (len(head) - 2)), f"{total:,}"))
+    last = len(head) - 1
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) if i < last else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "-" * len(lines[0]))
     lines.insert(len(lines) - 1, "-" * len(lines[0]))
     return "\n".join(lines)

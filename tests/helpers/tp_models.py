@@ -1,0 +1,120 @@
+"""An NNX LM written for sharding-in-types (FSDP + tensor parallelism on an Explicit mesh), as public LLM code is.
+
+The idioms: a frozen dataclass of ``PartitionSpec`` s per parameter role and activation (``Specs``, with a
+``no_sharding()``), parameters declaring their spec through Flax metadata (``kernel_metadata={"out_sharding":
+...}``, ``embedding_metadata``, ``scale_metadata``), ``out_sharding=`` on every einsum and projection,
+``jax.sharding.reshard`` of activations when a mesh is set, the token lookup ``embedding[...].at[(tokens,)].get(
+out_sharding=...)`` and the tied head reading the table in the top-level call, grouped-query attention, a
+final norm outside every block. Our own code, written for the tests.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P, get_abstract_mesh, reshard
+
+
+@dataclasses.dataclass(frozen=True)
+class Specs:
+    """Where each parameter role and activation is split (``None``: not at all)."""
+
+    table: P | None = None    # embedding (vocab, d)
+    qkv: P | None = None      # (d, heads, head_dim)
+    out: P | None = None      # (heads, head_dim, d)
+    up: P | None = None       # (d, f)
+    down: P | None = None     # (f, d)
+    norm: P | None = None     # (d,)
+    act: P | None = None      # (batch, time, d)
+    act_heads: P | None = None  # (batch, time, heads, head_dim)
+
+    @staticmethod
+    def fsdp_tp() -> Specs:
+        return Specs(table=P("tp", "fsdp"), qkv=P("fsdp", "tp", None), out=P("tp", None, "fsdp"),
+                     up=P("fsdp", "tp"), down=P("tp", "fsdp"), norm=P("tp"), act=P("fsdp", None, "tp"),
+                     act_heads=P("fsdp", None, "tp", None))
+
+    @staticmethod
+    def no_sharding() -> Specs:
+        return Specs()
+
+
+def shard(x: jax.Array, spec: P | None) -> jax.Array:
+    """``reshard`` when a mesh is set and a spec is given (as public model code does)."""
+    if spec is None or get_abstract_mesh().empty:
+        return x
+    return reshard(x, spec)
+
+
+def _meta(spec: P | None) -> dict:
+    return {"out_sharding": spec} if spec is not None else {}
+
+
+class Attention(nnx.Module):
+    def __init__(self, d: int, heads: int, kv_heads: int, specs: Specs, rngs: nnx.Rngs):
+        hd = d // heads
+        self.specs, self.heads, self.kv_heads = specs, heads, kv_heads
+        self.q = nnx.Einsum("btd,dnh->btnh", (d, heads, hd), kernel_metadata=_meta(specs.qkv), rngs=rngs)
+        self.k = nnx.Einsum("btd,dnh->btnh", (d, kv_heads, hd), kernel_metadata=_meta(specs.qkv), rngs=rngs)
+        self.v = nnx.Einsum("btd,dnh->btnh", (d, kv_heads, hd), kernel_metadata=_meta(specs.qkv), rngs=rngs)
+        self.o = nnx.Einsum("btnh,nhd->btd", (heads, hd, d), kernel_metadata=_meta(specs.out), rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        s = self.specs
+        q = self.q(x, out_sharding=s.act_heads)
+        k = self.k(x, out_sharding=s.act_heads)
+        v = self.v(x, out_sharding=s.act_heads)
+        b, t, n, h = q.shape
+        rep = self.heads // self.kv_heads
+        q = q.reshape((b, t, self.kv_heads, rep, h))
+        logits = jnp.einsum("btkgh,bskh->btskg", q, k) * h ** -0.5
+        mask = jnp.tril(jnp.ones((t, t), bool))[None, :, :, None, None]
+        logits = jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
+        w = jax.nn.softmax(logits, axis=2)
+        ctx = jnp.einsum("btskg,bskh->btkgh", w, v).reshape((b, t, n, h))
+        return self.o(ctx, out_sharding=s.act)
+
+
+class Block(nnx.Module):
+    def __init__(self, d: int, heads: int, kv_heads: int, specs: Specs, rngs: nnx.Rngs):
+        self.specs = specs
+        self.ln1 = nnx.RMSNorm(d, scale_metadata=_meta(specs.norm), rngs=rngs)
+        self.attn = Attention(d, heads, kv_heads, specs, rngs)
+        self.ln2 = nnx.RMSNorm(d, scale_metadata=_meta(specs.norm), rngs=rngs)
+        self.up = nnx.Linear(d, 4 * d, use_bias=False, kernel_metadata=_meta(specs.up), rngs=rngs)
+        self.gate = nnx.Linear(d, 4 * d, use_bias=False, kernel_metadata=_meta(specs.up), rngs=rngs)
+        self.down = nnx.Linear(4 * d, d, use_bias=False, kernel_metadata=_meta(specs.down), rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x + self.attn(self.ln1(x))
+        h = self.ln2(x)
+        act_f = self.specs.act
+        h = nnx.silu(self.gate(h, out_sharding=act_f)) * self.up(h, out_sharding=act_f)
+        return shard(x + self.down(h, out_sharding=self.specs.act), self.specs.act)
+
+
+class TPLM(nnx.Module):
+    """A decoder LM with a tied head; ``specs`` decides where it splits its parameters and activations."""
+
+    def __init__(self, rngs: nnx.Rngs, specs: Specs = Specs.fsdp_tp(), vocab: int = 64, d: int = 32,
+                 heads: int = 4, kv_heads: int = 2, layers: int = 2):
+        self.specs = specs
+        self.embed = nnx.Embed(vocab, d, embedding_metadata=_meta(specs.table), rngs=rngs)
+        self.blocks = nnx.List([Block(d, heads, kv_heads, specs, rngs) for _ in range(layers)])
+        self.final_norm = nnx.RMSNorm(d, scale_metadata=_meta(specs.norm), rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = self.embed.embedding[...].at[(tokens,)].get(out_sharding=self.specs.act)
+        for block in self.blocks:
+            x = block(x)
+        x = self.final_norm(x)
+        logits_spec = None if self.specs.act is None else P(self.specs.act[0], None, None)
+        return jnp.einsum("btd,vd->btv", x, self.embed.embedding[...], out_sharding=logits_spec)
+
+
+def tp_loss(model: TPLM, tokens: jax.Array) -> jax.Array:
+    logits = model(tokens[:, :-1])
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+    return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], -1))
