@@ -319,7 +319,10 @@ def initialize(
       model: an NNX constructor (``lambda: GPT(cfg, rngs=nnx.Rngs(0))``; it is
         traced abstractly, never materialised whole) or a Linen module.
       config: tiers, prefetching, dtypes (default :class:`ZeroConfig`).
-      mesh: the mesh (default :func:`zinf_jax.make_mesh`: every device on ``fsdp``).
+      mesh: the mesh, with any axis names and types (``jax.make_mesh``'s Explicit axes included: a model
+        whose parameters declare their shardings then runs its code with them, see
+        :mod:`zinf_jax.plan.model_mesh`). Default: the mesh set with ``jax.set_mesh``, else
+        :func:`zinf_jax.make_mesh` (every device on ``fsdp``).
       optimizer: :func:`zinf_jax.adamw` / :func:`zinf_jax.adam` (the fused
         kernel), or any element-wise optax ``GradientTransformation`` (sgd,
         momentum, the adam family, lion, adagrad, rmsprop, with schedules,
@@ -370,11 +373,14 @@ def _build(model: Any, *, config: ZeroConfig | None = None, mesh: Mesh | None = 
            init_args: tuple = (), init_kwargs: Mapping[str, Any] | None = None,
            unit_policy: UnitPolicy | None = None, logical_axis_rules: Any = None, **engine_kw: Any) -> Engine:
     config = config or ZeroConfig()
-    mesh = mesh if mesh is not None else make_mesh()  # as given: see plan.model_mesh (Explicit axes)
+    if mesh is None:  # a mesh the caller set with jax.set_mesh, else every device on one fsdp axis
+        current = getattr(jax.sharding, "get_mesh", lambda: None)()
+        mesh = current if current is not None and not current.empty else make_mesh()
     optimizer = choose_optimizer(optimizer, config)
-    adapter = make_adapter(model, policy=unit_policy, threshold=config.persistence_threshold, seed=config.seed,
-                           persistent=config.persistent_params,
-                           init_args=init_args, init_kwargs=init_kwargs, logical_axis_rules=logical_axis_rules)
+    with no_mesh():  # the model is traced abstractly, its values placed by the engine (not by the caller's mesh)
+        adapter = make_adapter(model, policy=unit_policy, threshold=config.persistence_threshold, seed=config.seed,
+                               persistent=config.persistent_params, init_args=init_args, init_kwargs=init_kwargs,
+                               logical_axis_rules=logical_axis_rules)
     return Engine(adapter=adapter, config=config, mesh=mesh, optimizer=optimizer, **engine_kw)
 
 

@@ -184,10 +184,12 @@ def test_tensor_parallel_model_on_an_explicit_fsdp_tp_mesh_trains_like_plain_jit
     batch is replicated over ``tp``; both engines equal plain jit on the mesh."""
     mesh = jax.make_mesh((4, 2), ("fsdp", "tp"))
     off = zinf.Offload(tier, path=str(tmp_path) if tier == "nvme" else None)
+    given = {"mesh": mesh} if engine == "compiled" else {}  # streamed: the mesh set with jax.set_mesh is taken
     with jax.set_mesh(mesh):
         eng = zinf.initialize(lambda: TPLM(nnx.Rngs(0)), loss_fn=tp_loss, optimizer=zinf.adamw(3e-3, eps=EPS),
-                              mesh=mesh, config=zinf.ZeroConfig(offload_param=off, offload_optimizer=off,
-                                                                persistence_threshold=16, engine=engine))
+                              config=zinf.ZeroConfig(offload_param=off, offload_optimizer=off,
+                                                     persistence_threshold=16, engine=engine), **given)
+        assert dict(eng.mesh.shape) == {"fsdp": 4, "tp": 2}
         assert eng.mode == engine and eng.components.model_mesh.explicit == ("fsdp", "tp")
         up, table = eng.layouts["blocks/0/up/kernel"], eng.layouts["embed/embedding"]
         assert (up.spec, up.gathered_spec) == (P("fsdp"), P(None, "tp"))  # ZeRO on fsdp, the model's tp kept
@@ -228,4 +230,48 @@ def test_code_that_needs_explicit_axes_without_them_gets_one_error_naming_the_fi
     with pytest.raises(zinf.EngineError, match=r"shards its own arrays.*Explicit.*out_sharding metadata"):
         eng.train_step(TOKENS[0])
     assert eng.step == 0
+    eng.close()
+
+
+@pytest.mark.parametrize("engine,tier", [("compiled", "cpu"), pytest.param("streamed", "nvme", marks=pytest.mark.slow)])
+def test_linen_logical_rules_and_activation_constraints_on_a_fsdp_tensor_mesh(engine, tier, tmp_path):
+    """MaxText's idiom: logically partitioned kernels, ``nn.with_logical_constraint`` on activations, a (fsdp,
+    tensor) mesh with Auto axes set around the training loop with the rules: ZeRO on fsdp, the tensor split of
+    each kernel kept when gathered, the activations' constraints applied; equal to plain jit on the mesh."""
+    import flax.linen as nn
+    from flax import traverse_util
+
+    from helpers.tp_models import LOGICAL_RULES, LinenTPLM, linen_tp_loss
+
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=auto)
+    module, tok0, tx = LinenTPLM(), TOKENS[0][:, :-1], optax.adamw(3e-3, eps=EPS)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_RULES):
+        variables = module.init(jax.random.key(0), tok0)
+        shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(variables), mesh, LOGICAL_RULES)
+        params = jax.device_put(nn.unbox(variables["params"]), shardings["params"])
+        opt = tx.init(params)
+
+        @jax.jit
+        def step(p, o, t):
+            loss, g = jax.value_and_grad(lambda p: linen_tp_loss(lambda x: module.apply({"params": p}, x), t))(p)
+            u, o = tx.update(g, o, p)
+            return optax.apply_updates(p, u), o, loss
+
+        ref = []
+        for t in TOKENS[:4]:
+            params, opt, loss = step(params, opt, jax.device_put(t, P("fsdp")))
+            ref.append(float(loss))
+        off = zinf.Offload(tier, path=str(tmp_path) if tier == "nvme" else None)
+        eng = zinf.initialize(module, init_args=(tok0,), loss_fn=linen_tp_loss, optimizer=tx, mesh=mesh,
+                              config=zinf.ZeroConfig(offload_param=off, offload_optimizer=off, engine=engine,
+                                                     persistence_threshold=THRESHOLD))
+        up = eng.layouts["block_0/Dense_0/kernel"]  # ("embed", "mlp") -> ("fsdp", "tensor")
+        assert (up.spec, up.gathered_spec) == (P("fsdp"), P(None, "tensor"))
+        assert eng.shard_batch(TOKENS[0]).sharding.spec == P("fsdp", None)  # replicated over tensor
+        losses = [eng.train_step(t)["loss"] for t in TOKENS[:4]]
+    np.testing.assert_allclose(losses, ref, rtol=1e-5)
+    got = eng.param_arrays()
+    for k, v in traverse_util.flatten_dict(jax.device_get(params), sep="/").items():
+        np.testing.assert_allclose(got[k], np.asarray(v), rtol=1e-5, atol=1e-5, err_msg=k)
     eng.close()

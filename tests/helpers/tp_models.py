@@ -118,3 +118,59 @@ def tp_loss(model: TPLM, tokens: jax.Array) -> jax.Array:
     logits = model(tokens[:, :-1])
     logp = jax.nn.log_softmax(logits.astype(jnp.float32))
     return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], -1))
+
+
+import flax.linen as nn  # noqa: E402  (the Linen model below)
+
+LOGICAL_RULES = (("batch", "fsdp"), ("length", None), ("embed", "fsdp"), ("vocab", "tensor"), ("mlp", "tensor"),
+                 ("heads", "tensor"))
+"""MaxText-style logical axis rules for a (fsdp, tensor) mesh: FSDP on ``embed``, tensor parallelism on the rest."""
+
+
+def _logical(init, names):
+    return nn.with_logical_partitioning(init, names)
+
+
+class LinenTPBlock(nn.Module):
+    d: int
+    heads: int
+
+    @nn.compact
+    def __call__(self, x):
+        b, t, d = x.shape
+        y = nn.LayerNorm(scale_init=_logical(nn.initializers.ones, ("embed",)), use_bias=False)(x)
+        q, k, v = (nn.Dense(d, use_bias=False, name=n, kernel_init=_logical(nn.initializers.xavier_uniform(),
+                                                                          ("embed", "heads")))(y).reshape(
+            b, t, self.heads, d // self.heads) for n in ("q", "k", "v"))
+        att = nn.dot_product_attention(q, k, v, mask=nn.make_causal_mask(jnp.ones((b, t))))
+        att = nn.with_logical_constraint(att.reshape(b, t, d), ("batch", "length", "heads"))
+        y = nn.Dense(d, use_bias=False, name="o", kernel_init=_logical(nn.initializers.xavier_uniform(),
+                                                                      ("heads", "embed")))(att)
+        x = nn.with_logical_constraint(x + y, ("batch", "length", "embed"))
+        h = nn.Dense(4 * self.d, use_bias=False, kernel_init=_logical(nn.initializers.xavier_uniform(),
+                                                                        ("embed", "mlp")))(x)
+        h = nn.with_logical_constraint(nn.gelu(h), ("batch", "length", "mlp"))
+        h = nn.Dense(self.d, use_bias=False, kernel_init=_logical(nn.initializers.xavier_uniform(), ("mlp", "embed")))(h)
+        return nn.with_logical_constraint(x + h, ("batch", "length", "embed"))
+
+
+class LinenTPLM(nn.Module):
+    """A Linen LM in MaxText's style: logically partitioned kernels and ``nn.with_logical_constraint`` on activations."""
+
+    vocab: int = 64
+    d: int = 32
+    heads: int = 4
+    layers: int = 2
+
+    @nn.compact
+    def __call__(self, tokens):
+        embed = nn.Embed(self.vocab, self.d, embedding_init=_logical(nn.initializers.normal(1.0), ("vocab", "embed")))
+        x = nn.with_logical_constraint(embed(tokens), ("batch", "length", "embed"))
+        for i in range(self.layers):
+            x = LinenTPBlock(self.d, self.heads, name=f"block_{i}")(x)
+        return embed.attend(nn.LayerNorm(use_bias=False)(x))
+
+
+def linen_tp_loss(model, tokens):
+    logits = model(tokens[:, :-1])
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1))

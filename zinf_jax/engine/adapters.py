@@ -38,7 +38,7 @@ program returns that parameter, gathered, so the glue gets its value and its gra
 parameter a unit's ``setup`` defines, read through the parent)."""
 
 
-_OWN_SHARDING = ("mesh context", "out_sharding", "auto mesh")
+_OWN_SHARDING = ("mesh context", "out_sharding", "auto mesh", "of type Auto")
 """What JAX and Flax say when code places arrays by a mesh that is not there."""
 
 

@@ -330,9 +330,8 @@ class TraceCache:
                 args = ([model_mesh.typed(x, p) for x, p in zip(glue, glue_specs)],
                         [model_mesh.typed(x, P()) for x in sdyn],
                         [model_mesh.typed(x, _placed_spec(x)) for x in bdyn])
-            with model_mesh.tracing() if typed else contextlib.nullcontext():
+            with model_mesh.tracing() if model_mesh is not None else contextlib.nullcontext():
                 closed = jax.make_jaxpr(flat)(*args)
             plan = Plan(calls=tuple((c.uid, c.method) for c in rec.calls), units=self.units)
-            hit = self._traces[key] = Traced(GlueProgram(closed, rec.calls, model_mesh if typed else None),
-                                             tree[0], plan)
+            hit = self._traces[key] = Traced(GlueProgram(closed, rec.calls, model_mesh), tree[0], plan)
         return dataclasses.replace(hit, args=[*glue, *sdyn, *bdyn])

@@ -105,9 +105,10 @@ def model_call(fn: Callable[[list[jax.Array], Any], Any], sig: tuple, layouts: S
     def call(full, dyn):
         return fn(full, join_inputs(sig, dyn))
 
-    if model_mesh is None or not model_mesh.explicit:
+    if model_mesh is None:
         return call
-    return model_mesh.region(call, ([lay.gathered_spec for lay in layouts], list(sig[2])))
+    specs = list(sig[2]) if len(sig) > 2 else []
+    return model_mesh.region(call, ([lay.gathered_spec for lay in layouts], specs))
 
 
 class UnitPrograms:

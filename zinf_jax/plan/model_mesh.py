@@ -8,10 +8,9 @@ traces with that mesh set and its inputs typed with their shardings.
 The engine's own programs (gathers, reduce-scatters, host offload, the fused optimizer) place
 arrays by sharding constraints on an Auto view of the same devices
 (:func:`~zinf_jax.plan.partition.auto_axes`). The two meet in *regions* (see [Note: model regions]):
-the model's code — a unit's method, a glue segment between unit calls — runs inside
-``jax.sharding.explicit_axes`` with the mesh's Explicit axes and each input typed as the model
-expects it; the engine's code runs around it on the Auto view. With no Explicit axis a region is
-the function itself and nothing changes.
+the model's code — a unit's method, a glue segment between unit calls — is traced with the user's mesh
+as the context mesh and, with Explicit axes, inside ``jax.sharding.explicit_axes`` with each input typed
+as the model expects it; the engine's code runs around it on the Auto view, with no context mesh.
 """
 from __future__ import annotations
 
@@ -35,8 +34,8 @@ __all__ = ["ModelMesh"]
 # recorded with its inputs' specs (engine.glue.Recorder), and a unit's outputs are typed by an
 # abstract evaluation of the unit under the same mesh. At run time every piece of the model's code
 # (a glue segment, a unit's method) is one region: jax.sharding.explicit_axes with the specs recorded
-# for its inputs, inside programs traced with the Auto view set as the context mesh (explicit_axes
-# needs one). A unit's parameters enter gathered to their ParamLayout.gathered spec (the model's own
+# for its inputs, with the Auto view as the context mesh inside the region only (explicit_axes needs one;
+# the engine's own host work must not run under a mesh). A unit's parameters enter gathered to their ParamLayout.gathered spec (the model's own
 # tensor-parallel spec without the zero axes); their gradients leave the region and are constrained
 # back to the stored spec (a reduce-scatter over the zero axes).
 
@@ -87,15 +86,16 @@ class ModelMesh:
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
-        """The context of the engine's programs: the Auto view as the context mesh when the model has
-        Explicit axes (regions need one), otherwise no context mesh (see :func:`~zinf_jax.plan.partition.no_mesh`)."""
-        with (jax.set_mesh(self.mesh) if self.explicit else no_mesh()):
+        """The context of the engine's passes: no context mesh (one the caller set is cleared: the engine's
+        programs place every array by explicit shardings, its host work uses single devices); the model's
+        code gets its mesh back inside each region (:meth:`region`)."""
+        with no_mesh():
             yield
 
     @contextlib.contextmanager
     def tracing(self) -> Iterator[None]:
-        """The context in which the model's code is traced abstractly: the user's mesh (Explicit axes set)."""
-        with (jax.set_mesh(self.user_mesh) if self.explicit else no_mesh()):
+        """The context in which the loss is traced abstractly: the user's mesh (its Explicit axes, if any, set)."""
+        with jax.set_mesh(self.user_mesh if self.explicit else self.mesh):
             yield
 
     def typed(self, x: Any, spec: P) -> Any:
@@ -106,11 +106,19 @@ class ModelMesh:
                                     sharding=NamedSharding(self.user_mesh, spec))
 
     def region(self, fn: Callable, in_specs: Any) -> Callable:
-        """``fn`` run with the Explicit axes and its inputs typed ``in_specs`` (a pytree of specs matching its
-        arguments); ``fn`` itself without Explicit axes. See [Note: model regions]."""
-        if not self.explicit:
-            return fn
-        return jax.sharding.explicit_axes(fn, axes=self.explicit, in_sharding=in_specs)
+        """``fn`` as the model's code runs: traced with the user's mesh as the context mesh (so its constraints
+        by bare ``PartitionSpec`` s apply: ``with_sharding_constraint``, Linen's ``nn.with_logical_constraint``)
+        and, with Explicit axes, inside ``jax.sharding.explicit_axes`` with its inputs typed ``in_specs`` (a
+        pytree of specs matching its arguments). See [Note: model regions]."""
+        abstract = self.mesh.abstract_mesh
+
+        def run(*args: Any) -> Any:
+            with jax.sharding.use_abstract_mesh(abstract):
+                if not self.explicit:
+                    return fn(*args)
+                return jax.sharding.explicit_axes(fn, axes=self.explicit, in_sharding=in_specs)(*args)
+
+        return run
 
 
 def spec_of(x: Any) -> P:
