@@ -377,10 +377,10 @@ def _build(model: Any, *, config: ZeroConfig | None = None, mesh: Mesh | None = 
         current = getattr(jax.sharding, "get_mesh", lambda: None)()
         mesh = current if current is not None and not current.empty else make_mesh()
     optimizer = choose_optimizer(optimizer, config)
-    with no_mesh():  # the model is traced abstractly, its values placed by the engine (not by the caller's mesh)
+    with no_mesh(), model_sharding_explained():  # traced abstractly, placed by the engine (not the caller's mesh)
         adapter = make_adapter(model, policy=unit_policy, threshold=config.persistence_threshold, seed=config.seed,
                                persistent=config.persistent_params, init_args=init_args, init_kwargs=init_kwargs,
-                               logical_axis_rules=logical_axis_rules)
+                               logical_axis_rules=logical_axis_rules, mesh=mesh)
     return Engine(adapter=adapter, config=config, mesh=mesh, optimizer=optimizer, **engine_kw)
 
 

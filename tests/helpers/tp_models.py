@@ -5,11 +5,14 @@ The idioms: a frozen dataclass of ``PartitionSpec`` s per parameter role and act
 ...}``, ``embedding_metadata``, ``scale_metadata``), ``out_sharding=`` on every einsum and projection,
 ``jax.sharding.reshard`` of activations when a mesh is set, the token lookup ``embedding[...].at[(tokens,)].get(
 out_sharding=...)`` and the tied head reading the table in the top-level call, grouped-query attention, a
-final norm outside every block. Our own code, written for the tests.
+final norm outside every block; an initialiser given ``out_sharding=`` directly (no metadata), a position table
+with its ids held as ``nnx.data(jnp.arange(...))``, and a frozen config with a list field held by every block
+(unhashable, as ``nnx.jit`` allows). Our own code, written for the tests.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -53,9 +56,10 @@ def _meta(spec: P | None) -> dict:
 
 
 class Attention(nnx.Module):
-    def __init__(self, d: int, heads: int, kv_heads: int, specs: Specs, rngs: nnx.Rngs):
+    def __init__(self, d: int, heads: int, kv_heads: int, specs: Specs, rngs: nnx.Rngs, max_len: int = 32):
         hd = d // heads
         self.specs, self.heads, self.kv_heads = specs, heads, kv_heads
+        self.causal = nnx.data(jnp.tril(jnp.ones((max_len, max_len), bool)))  # a plain array attribute
         self.q = nnx.Einsum("btd,dnh->btnh", (d, heads, hd), kernel_metadata=_meta(specs.qkv), rngs=rngs)
         self.k = nnx.Einsum("btd,dnh->btnh", (d, kv_heads, hd), kernel_metadata=_meta(specs.qkv), rngs=rngs)
         self.v = nnx.Einsum("btd,dnh->btnh", (d, kv_heads, hd), kernel_metadata=_meta(specs.qkv), rngs=rngs)
@@ -70,28 +74,39 @@ class Attention(nnx.Module):
         rep = self.heads // self.kv_heads
         q = q.reshape((b, t, self.kv_heads, rep, h))
         logits = jnp.einsum("btkgh,bskh->btskg", q, k) * h ** -0.5
-        mask = jnp.tril(jnp.ones((t, t), bool))[None, :, :, None, None]
+        mask = self.causal[:t, :t][None, :, :, None, None]
         logits = jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
         w = jax.nn.softmax(logits, axis=2)
         ctx = jnp.einsum("btskg,bskh->btkgh", w, v).reshape((b, t, n, h))
         return self.o(ctx, out_sharding=s.act)
 
 
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Per-layer choices, a list field: unhashable, as many model configs are."""
+
+    gated: list[bool] = dataclasses.field(default_factory=lambda: [True, True])
+
+
 class Block(nnx.Module):
-    def __init__(self, d: int, heads: int, kv_heads: int, specs: Specs, rngs: nnx.Rngs):
-        self.specs = specs
+    def __init__(self, d: int, heads: int, kv_heads: int, specs: Specs, rngs: nnx.Rngs, layout: Layout = Layout(),
+                 max_len: int = 32):
+        self.specs, self.layout = specs, layout
         self.ln1 = nnx.RMSNorm(d, scale_metadata=_meta(specs.norm), rngs=rngs)
-        self.attn = Attention(d, heads, kv_heads, specs, rngs)
+        self.attn = Attention(d, heads, kv_heads, specs, rngs, max_len)
         self.ln2 = nnx.RMSNorm(d, scale_metadata=_meta(specs.norm), rngs=rngs)
         self.up = nnx.Linear(d, 4 * d, use_bias=False, kernel_metadata=_meta(specs.up), rngs=rngs)
-        self.gate = nnx.Linear(d, 4 * d, use_bias=False, kernel_metadata=_meta(specs.up), rngs=rngs)
+        init = nnx.initializers.lecun_normal()  # the gate's kernel is made split, by its initialiser alone
+        init = init if specs.up is None else functools.partial(init, out_sharding=specs.up)
+        self.gate = nnx.Linear(d, 4 * d, use_bias=False, kernel_init=init, rngs=rngs)
         self.down = nnx.Linear(4 * d, d, use_bias=False, kernel_metadata=_meta(specs.down), rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x + self.attn(self.ln1(x))
         h = self.ln2(x)
         act_f = self.specs.act
-        h = nnx.silu(self.gate(h, out_sharding=act_f)) * self.up(h, out_sharding=act_f)
+        up = self.up(h, out_sharding=act_f)
+        h = nnx.silu(self.gate(h, out_sharding=act_f)) * up if self.layout.gated[0] else nnx.silu(up)
         return shard(x + self.down(h, out_sharding=self.specs.act), self.specs.act)
 
 
@@ -99,10 +114,10 @@ class TPLM(nnx.Module):
     """A decoder LM with a tied head; ``specs`` decides where it splits its parameters and activations."""
 
     def __init__(self, rngs: nnx.Rngs, specs: Specs = Specs.fsdp_tp(), vocab: int = 64, d: int = 32,
-                 heads: int = 4, kv_heads: int = 2, layers: int = 2):
+                 heads: int = 4, kv_heads: int = 2, layers: int = 2, max_len: int = 32):
         self.specs = specs
         self.embed = nnx.Embed(vocab, d, embedding_metadata=_meta(specs.table), rngs=rngs)
-        self.blocks = nnx.List([Block(d, heads, kv_heads, specs, rngs) for _ in range(layers)])
+        self.blocks = nnx.List([Block(d, heads, kv_heads, specs, rngs, max_len=max_len) for _ in range(layers)])
         self.final_norm = nnx.RMSNorm(d, scale_metadata=_meta(specs.norm), rngs=rngs)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:

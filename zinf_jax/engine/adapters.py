@@ -25,6 +25,7 @@ import threading
 from typing import Any, Callable, Hashable, Iterator, Mapping, Protocol, Sequence
 
 import jax
+from jax.sharding import PartitionSpec as P
 
 from zinf_jax._internal import jax_private
 from zinf_jax.errors import EngineError
@@ -38,7 +39,7 @@ program returns that parameter, gathered, so the glue gets its value and its gra
 parameter a unit's ``setup`` defines, read through the parent)."""
 
 
-_OWN_SHARDING = ("mesh context", "out_sharding", "auto mesh", "of type Auto")
+_OWN_SHARDING = ("mesh context", "auto mesh", "of type Auto")
 """What JAX and Flax say when code places arrays by a mesh that is not there."""
 
 
@@ -171,10 +172,14 @@ class InitTrace:
     Args:
       values: ``values() -> {path: array}``, every parameter of the constructed model.
       order: the paths, in a fixed order.
+      region: ``region(fn, in_specs)``: runs the constructor's equations as the model's code (with the
+        mesh's Explicit axes, when its code names shardings: see ``ModelMesh.region``); ``None``: as they are.
     """
 
-    def __init__(self, values: Callable[[], Mapping[str, Any]], order: Sequence[str]):
+    def __init__(self, values: Callable[[], Mapping[str, Any]], order: Sequence[str],
+                 region: Callable[[Callable, Any], Callable] | None = None):
         self._order = {p: i for i, p in enumerate(order)}
+        self._region = region
         def all_values() -> list[Any]:
             flat = values()  # the constructor runs once
             return [flat[p] for p in order]
@@ -220,8 +225,14 @@ class InitTrace:
         args = [*consts, *[self._scalars[v] for v in lifted]]
         pos = {i: k for k, i in enumerate(sorted(set(want)))}  # the kept outputs stay in their order
 
+        def evaluate(*xs):
+            return jax_private.eval_jaxpr(body, [], *xs)
+
+        if self._region is not None:
+            evaluate = self._region(evaluate, tuple(P() for _ in args))
+
         def f(*xs):
-            outs = jax_private.eval_jaxpr(body, [], *xs)
+            outs = evaluate(*xs)
             return [transform(p, outs[pos[i]]) for p, i in zip(paths, want)]
 
         lowered = jax.jit(f, out_shardings=list(shardings)).lower(*args)

@@ -19,6 +19,7 @@ live for one pass only. Repeated calls append, like ``sow``'s default.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 from typing import Any, Callable, Hashable, Sequence
@@ -26,8 +27,10 @@ from typing import Any, Callable, Hashable, Sequence
 import jax
 from flax import nnx
 from flax.core import spmd as core_spmd
+from jax.sharding import Mesh
 
 from zinf_jax.engine.adapters import READ, EngineError, Hook, HookSlot, InitTrace, exact_jit_call, get_path, leaf_paths
+from zinf_jax.plan.model_mesh import ModelMesh
 from zinf_jax.plan.units import Unit, UnitPolicy, UnitPolicyError, nbytes_of, path_str, select_units
 
 __all__ = ["NnxAdapter", "UnitProxy"]
@@ -54,6 +57,18 @@ def _set(module: Any, path: tuple[Any, ...], value: Any) -> None:
 
 def _variables(module: Any) -> dict[tuple[Any, ...], nnx.Variable]:
     return {p: v for p, v in nnx.iter_graph(module) if isinstance(v, nnx.Variable)}
+
+
+class _Data(nnx.Variable):
+    """Holds, in a unit's proxy, an array attribute of the unit that is not a Variable (``nnx.data(array)``)."""
+
+
+def _held(unit: nnx.Module) -> list[nnx.Variable]:
+    """A unit's non-parameter state, in its split order: its own Variables (shared with the model), and a
+    holder for each plain array attribute (``self.position_ids = nnx.data(jnp.arange(n))``)."""
+    own = _variables(unit)
+    rest = nnx.split(unit, nnx.Param, ...)[2]
+    return [own[p] if p in own else _Data(v) for p, v in zip(leaf_paths(rest), jax.tree.leaves(rest))]
 
 
 def _without_eager_sharding(constructor: Callable[[], nnx.Module]) -> Callable[[], nnx.Module]:
@@ -166,15 +181,22 @@ class NnxAdapter:
       constructor: builds the model (traced abstractly; never run whole eagerly).
       policy: which submodules are units.
       threshold: persistence threshold in elements.
+      persistent: ``ZeroConfig.persistent_params``.
+      mesh: the user's mesh: with Explicit axes, the constructor is traced with them (its own
+        ``out_sharding=`` arguments, e.g. to initialisers, need them) and the initialisers run as a
+        region of the model's code (:class:`~zinf_jax.plan.model_mesh.ModelMesh`).
     """
 
     def __init__(self, constructor: Callable[[], nnx.Module], policy: UnitPolicy, threshold: int,
-                 persistent: Sequence[str] = ()):
+                 persistent: Sequence[str] = (), mesh: Mesh | None = None):
         self.constructor = _without_eager_sharding(constructor)
+        self._mesh = ModelMesh.of(mesh, own_shardings=True) if mesh is not None else None
+        if self._mesh is not None and not self._mesh.explicit:
+            self._mesh = None
         self.hook = HookSlot()
         self._run = threading.local()  # sown attributes added during the pass in progress
         self._init_trace: InitTrace | None = None  # the initialisers, traced at the first init_params
-        abstract = nnx.eval_shape(self.constructor)
+        abstract = self._abstract()
         canon = {id(v): path_str(p) for p, v in nnx.iter_graph(abstract) if isinstance(v, nnx.Param)}
         pstate = nnx.state(abstract, nnx.Param)
         paths = leaf_paths(pstate)
@@ -213,6 +235,16 @@ class NnxAdapter:
             raise UnitPolicyError(f"parameter {both[0]!r} is used both inside a unit and outside every unit; "
                                   "make the module that holds it a unit, or keep it out of the units")
         self._eval_gdefs: tuple[list[Any], Any] | None = None  # built on first evaluation
+        self._kind_cache: dict[bool, list[int]] = {}  # see _kinds
+
+    def _constructing(self) -> Any:
+        """The context the constructor is traced in: the user's mesh when it has Explicit axes."""
+        return self._mesh.tracing() if self._mesh is not None else contextlib.nullcontext()
+
+    def _abstract(self) -> nnx.Module:
+        """The model, abstract (``nnx.eval_shape`` of the constructor, traced in :meth:`_constructing`)."""
+        with self._constructing():
+            return nnx.eval_shape(self.constructor)
 
     def _gdefs(self, train: bool) -> tuple[list[Any], Any]:
         """Graph definitions of the units and the glue in training or evaluation mode.
@@ -225,7 +257,7 @@ class NnxAdapter:
         if train:
             return self._gdef, self._glue_gdef
         if self._eval_gdefs is None:
-            model = nnx.eval_shape(self.constructor)
+            model = self._abstract()
             model.eval()
             units = [nnx.split(get_path(model, up), nnx.Param, ...)[0] for up in self._unit_paths]
             self._wrap(model)
@@ -236,15 +268,29 @@ class NnxAdapter:
         """Replaces every unit of ``model`` by a proxy holding the unit's non-parameter variables."""
         proxies = []
         for caller, u, up in zip(self._callers, self.units, self._unit_paths):
-            unit = get_path(model, up)
-            own = _variables(unit)
-            rest = nnx.split(unit, nnx.Param, ...)[2]
-            proxies.append(UnitProxy(caller, u.path, [own[p] for p in leaf_paths(rest)]))
+            proxies.append(UnitProxy(caller, u.path, _held(get_path(model, up))))
         for proxy, up in zip(proxies, self._unit_paths):
             _set(model, up, proxy)
 
     def program_key(self, uid: int, method: str, train: bool = True) -> Hashable:
-        return ("nnx", self._gdefs(train)[0][uid], method)
+        return ("nnx", train, self._kinds(train)[uid], method)
+
+    def _kinds(self, train: bool) -> list[int]:
+        """Per unit, the index of the first unit whose graph definition equals its own: alike units (a model's
+        blocks) share programs. Compared by equality, not by hash: a unit may hold an unhashable static value
+        (a frozen config dataclass with a list field) that ``nnx.jit`` accepts too."""
+        hit = self._kind_cache.get(train)
+        if hit is None:
+            reps: list[Any] = []
+            hit = []
+            for g in self._gdefs(train)[0]:
+                k = next((i for i, r in enumerate(reps) if r == g), None)
+                if k is None:
+                    reps.append(g)
+                    k = len(reps) - 1
+                hit.append(k)
+            self._kind_cache[train] = hit
+        return hit
 
     def unit_fn(self, uid: int, method: str, train: bool = True) -> Callable:
         gdef, ptree, rtree = self._gdefs(train)[0][uid], self._ptree[uid], self._rtree[uid]
@@ -293,7 +339,9 @@ class NnxAdapter:
                 canon = {id(v): path_str(p) for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)}
                 return {canon[id(v)]: v.get_value() for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)}
 
-            self._init_trace = InitTrace(values, list(self.abstract_params))
+            with self._mesh.evaluating() if self._mesh is not None else contextlib.nullcontext():
+                self._init_trace = InitTrace(values, list(self.abstract_params),
+                                             self._mesh.region if self._mesh is not None else None)
         return self._init_trace.run(paths, transform, shardings)
 
     def _state_of(self, model: nnx.Module) -> Any:
@@ -302,10 +350,12 @@ class NnxAdapter:
 
     def init_state(self, sharding: Any) -> Any:
         """Every non-parameter variable of the model (units' included), replicated."""
-        return exact_jit_call(lambda: self._state_of(self.constructor()), sharding)
+        make = lambda: self._state_of(self.constructor())  # noqa: E731
+        return exact_jit_call(make if self._mesh is None else self._mesh.region(make, ()), sharding)
 
     def abstract_state(self) -> Any:
-        return jax.eval_shape(lambda: self._state_of(self.constructor()))
+        with self._constructing():
+            return jax.eval_shape(lambda: self._state_of(self.constructor()))
 
     def run(self, loss_fn: Callable, glue: Sequence[jax.Array], state: Any, batch: Any, hook: Hook,
             train: bool = True) -> tuple[Any, Any, Any]:
@@ -347,7 +397,7 @@ class NnxAdapter:
 
     def model_state(self, state: Any) -> nnx.State:
         """The engine's state in the unwrapped model's own structure (``blocks/0/bn/mean``, ...)."""
-        model = nnx.eval_shape(self.constructor)
+        model = self._abstract()
         units = [get_path(model, up) for up in self._unit_paths]
         self._wrap(model)  # proxies hold the units' own Variable objects
         nnx.update(model, state)
@@ -358,11 +408,11 @@ class NnxAdapter:
     def select(self, which: Any) -> set[str]:
         """Paths of the parameters an NNX filter selects (``nnx.LoRAParam``, a path predicate, ...)."""
         pred = nnx.filterlib.to_predicate(which)
-        abstract = nnx.eval_shape(self.constructor)
+        abstract = self._abstract()
         return {path_str(p) for p, v in nnx.iter_graph(abstract) if isinstance(v, nnx.Param) and pred(p, v)}
 
     def structure(self, flat: dict[str, Any]) -> nnx.State:
         """Path -> value as an ``nnx.State`` shaped like the model's params."""
-        st = nnx.state(nnx.eval_shape(self.constructor), nnx.Param)
+        st = nnx.state(self._abstract(), nnx.Param)
         paths = [path_str(p) for p in leaf_paths(st)]
         return jax.tree.unflatten(jax.tree.structure(st), [flat[p] for p in paths])

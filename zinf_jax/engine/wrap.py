@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, Sequence
 
 import flax.linen as nn
+from jax.sharding import Mesh
 
 from zinf_jax.engine.linen_adapter import LinenAdapter
 from zinf_jax.engine.nnx_adapter import NnxAdapter
@@ -14,8 +15,10 @@ __all__ = ["make_adapter"]
 
 def make_adapter(model: Callable[[], Any] | nn.Module, *, policy: UnitPolicy | None, threshold: int, seed: int,
                  init_args: tuple = (), init_kwargs: Mapping[str, Any] | None = None,
-                 logical_axis_rules: Any = None, persistent: Sequence[str] = ()) -> NnxAdapter | LinenAdapter:
-    """The adapter for an NNX constructor or a Linen module (``persistent``: ``ZeroConfig.persistent_params``).
+                 logical_axis_rules: Any = None, persistent: Sequence[str] = (),
+                 mesh: Mesh | None = None) -> NnxAdapter | LinenAdapter:
+    """The adapter for an NNX constructor or a Linen module (``persistent``: ``ZeroConfig.persistent_params``;
+    ``mesh``: the user's, see :class:`~zinf_jax.engine.nnx_adapter.NnxAdapter`).
 
     Raises:
       TypeError: ``model`` is neither.
@@ -25,7 +28,7 @@ def make_adapter(model: Callable[[], Any] | nn.Module, *, policy: UnitPolicy | N
         return LinenAdapter(model, tuple(init_args), dict(init_kwargs or {}), policy, threshold, seed,
                             logical_axis_rules, persistent=persistent)
     if callable(model):
-        return NnxAdapter(model, policy, threshold, persistent=persistent)
+        return NnxAdapter(model, policy, threshold, persistent=persistent, mesh=mesh)
     raise TypeError(f"model must be an NNX constructor (a callable) or a Linen module, got {type(model).__name__}")
 
 

@@ -94,7 +94,15 @@ class ModelMesh:
 
     @contextlib.contextmanager
     def tracing(self) -> Iterator[None]:
-        """The context in which the loss is traced abstractly: the user's mesh (its Explicit axes, if any, set)."""
+        """The context in which the model's code is traced abstractly (the loss, the constructor): the user's
+        mesh, its Explicit axes (if any) set; usable inside a trace as outside (an abstract mesh)."""
+        with jax.sharding.use_abstract_mesh((self.user_mesh if self.explicit else self.mesh).abstract_mesh):
+            yield
+
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """The context in which traced model code is evaluated eagerly, outside ``jit`` (the constructor's scalar
+        chain of RNG keys and counts): the user's mesh, concrete."""
         with jax.set_mesh(self.user_mesh if self.explicit else self.mesh):
             yield
 
