@@ -66,10 +66,19 @@ def _signature(leaves: Sequence[Any]) -> tuple:
     return tuple((jax.typeof(x), getattr(x, "sharding", None)) for x in leaves)
 
 
-@functools.lru_cache(maxsize=256)
-def _stacker(sharding: NamedSharding) -> Callable:
-    """A jitted stack of same-layout arrays into one array of ``sharding`` (the device tier's stacks)."""
-    return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)
+def _stack_groups(groups: Sequence[Sequence[jax.Array]]) -> list[jax.Array]:
+    return [jnp.stack(g) for g in groups]
+
+
+_stack_on_device = jax.jit(_stack_groups)
+"""Stacks of single-device arrays of one device (the device tier's persistent shards), one program for all."""
+
+
+@functools.lru_cache(maxsize=64)
+def _stacker(shardings: tuple[NamedSharding, ...]) -> Callable:
+    """One jitted program stacking groups of same-layout sharded arrays, group ``k`` into one array of
+    ``shardings[k]`` (the device tier's stacks): one dispatch for all of a step's stale stacks."""
+    return jax.jit(_stack_groups, out_shardings=list(shardings))
 
 
 # [Note: scanned runs]
@@ -125,6 +134,19 @@ class _Slots:
             return stacked[g][k]
 
         return value, stacked
+
+
+def _stack_per_device(bufs: list[dict[int, list[jax.Array]]]) -> list[dict[int, jax.Array]]:
+    """``bufs`` (per stack, shard index to the single-device arrays to stack) stacked, one program per device."""
+    by_device: dict[Any, list[tuple[int, int]]] = {}
+    for k, b in enumerate(bufs):
+        for i, xs in b.items():
+            by_device.setdefault(next(iter(xs[0].devices())), []).append((k, i))
+    out: list[dict[int, jax.Array]] = [{} for _ in bufs]
+    for where in by_device.values():
+        for (k, i), x in zip(where, _stack_on_device([bufs[k][i] for k, i in where])):
+            out[k][i] = x
+    return out
 
 
 class CompiledModel:
@@ -479,20 +501,25 @@ class CompiledModel:
         raw = [(paths, w) for paths, w in stale if self._raw_stack(paths[0])]
         if raw:
             shards = self.store.read_shards([p for paths, _ in raw for p in paths])
-            stack = (lambda xs: np.stack([np.asarray(x) for x in xs])) if self.host_params else jnp.stack
             lays, bufs, at = [], [], 0
             for paths, _ in raw:
                 mine, at = shards[at:at + len(paths)], at + len(paths)
                 lays.append(stacked_layout(self.store.layouts[paths[0]], len(paths)))
-                bufs.append({i: stack([s[i] for s in mine]) for i in mine[0]})
+                bufs.append({i: [s[i] for s in mine] for i in mine[0]})
+            if self.host_params:
+                bufs = [{i: np.stack([np.asarray(x) for x in xs]) for i, xs in b.items()} for b in bufs]
+            else:  # device arrays: one program per device for all of them (a dispatch each costs as much)
+                bufs = _stack_per_device(bufs)
             kind = "pinned_host" if self.host_params else None
             for (paths, writes), out in zip(raw, assemble_many(lays, self.mesh, bufs, memory_kind=kind)):
                 self._stacked[paths] = (writes, out)
-        for paths, writes in stale:
-            if not self._raw_stack(paths[0]):
-                lay = self.store.layouts[paths[0]]
-                sharding = NamedSharding(self.mesh, P(None, *lay.spec))
-                self._stacked[paths] = (writes, _stacker(sharding)(*[self._fetched[p][1] for p in paths]))
+        rest = [(paths, writes) for paths, writes in stale if not self._raw_stack(paths[0])]
+        if rest:
+            shardings = tuple(NamedSharding(self.mesh, P(None, *self.store.layouts[paths[0]].spec))
+                              for paths, _ in rest)
+            outs = _stacker(shardings)([[self._fetched[p][1] for p in paths] for paths, _ in rest])
+            for (paths, writes), out in zip(rest, outs):
+                self._stacked[paths] = (writes, out)
 
     # --- passes ---------------------------------------------------------------------------
     def _check_eager(self, batch: Any, glue: Sequence[jax.Array]) -> None:
