@@ -4,13 +4,14 @@ For each batch of units, the model constructor runs inside ``jax.jit``
 returning only those units' parameters, already in stored form and sharded over
 the mesh; XLA drops the rest of the model from the program. The arrays go
 straight to the param tier (and to ``on_param``, e.g. the optimizer's fp32
-master) and are released before the next batch, so host and device memory hold
-about one batch at a time.
+master) and are released once written, so host and device memory hold about
+three batches at a time: batch ``k + 1`` is created (its program dispatched
+before batch ``k`` is touched) while batch ``k`` is copied to the host and
+written and batch ``k - 1``'s writes finish.
 
 A batch is consecutive units whose fp32 parameters stay within ``batch_bytes``
-(a unit larger than that is a batch of its own). Each program traces the whole
-constructor, so one program per unit made init time grow with depth squared;
-batching makes small models one program and keeps large ones at one unit each.
+(a unit larger than that is a batch of its own). The constructor is traced once
+(:class:`~zinf_jax.engine.adapters.InitTrace`); alike batches share one program.
 """
 from __future__ import annotations
 
@@ -69,28 +70,34 @@ def init_unit_by_unit(
       store: the parameter store to fill (committed at the end).
       on_param: called with ``(path, stored_fp32_array)`` for each parameter; may
         return futures of writes still using the array (waited for after the next
-        batch is created, so that creating and writing overlap).
+        batch's writes are issued, so that writing overlaps; the batch after that is
+        already being created meanwhile).
       metadata: committed with the store.
       batch_bytes: fp32 bytes one init program may create (see the module doc).
       values: ``values(paths) -> host arrays``: given values (pretrained
         weights, :class:`~zinf_jax.engine.pretrained.Pretrained`) instead of
         the model's initialisers, read batch by batch too.
     """
+    def create(group: Sequence[str]) -> Sequence[jax.Array]:
+        if values is None:  # dispatched asynchronously: XLA computes it while the caller goes on
+            return adapter.init_params(group, lambda p, v: to_stored(store.layouts[p], v),
+                                       [store.sharding(p) for p in group])
+        return [_place(store.layouts[p], v, adapter.abstract_params[p].dtype, store.sharding(p))
+                for p, v in zip(group, values(group))]
+
+    batches = param_batches(adapter, batch_bytes)
     previous: list = []  # writes of the batch before, still in flight
-    for group in param_batches(adapter, batch_bytes):
-        if values is None:
-            arrays: Sequence[jax.Array] = adapter.init_params(
-                group, lambda p, v: to_stored(store.layouts[p], v), [store.sharding(p) for p in group]
-            )
-        else:
-            arrays = [_place(store.layouts[p], v, adapter.abstract_params[p].dtype, store.sharding(p))
-                      for p, v in zip(group, values(group))]
+    upcoming = create(batches[0]) if batches else []
+    for k, group in enumerate(batches):
+        arrays = upcoming
+        # the next batch is created while this one is copied out and written, and the one before is written
+        upcoming = create(batches[k + 1]) if k + 1 < len(batches) else []
         futures = []
         for path, arr in zip(group, arrays):
             futures += store.put_array(path, arr)
             if on_param is not None:
                 futures += on_param(path, arr) or []
-        for f in previous:  # the batch before was written while this one was created
+        for f in previous:
             f.result()
         previous = futures
         del arrays
