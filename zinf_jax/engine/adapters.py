@@ -21,6 +21,7 @@ This module holds what both frameworks share; :mod:`.nnx_adapter` and
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from typing import Any, Callable, Hashable, Iterator, Mapping, Protocol, Sequence
 
@@ -189,6 +190,7 @@ class InitTrace:
         self._consts = list(closed.consts)
         self._scalars = self._eval_scalars()
         self._compiled: dict[str, Any] = {}  # lowered program text -> compiled
+        self._by_body: dict[tuple, Any] = {}  # a batch's body text, argument and output types -> compiled
 
     def _eval_scalars(self) -> dict[Any, Any]:
         """The values of every equation whose inputs and outputs are all scalars, computed eagerly."""
@@ -235,11 +237,20 @@ class InitTrace:
             outs = evaluate(*xs)
             return [transform(p, outs[pos[i]]) for p, i in zip(paths, want)]
 
-        lowered = jax.jit(f, out_shardings=list(shardings)).lower(*args)
-        text = lowered.as_text()
-        compiled = self._compiled.get(text)
+        # Alike batches (a model's identical blocks) have the same body: found by its text, their program is
+        # neither traced nor lowered again (each cost ~0.3 s per batch at 0.40B); else by the lowered text.
+        outs = [body.outvars[pos[i]].aval for i in want]
+        key = (str(body), tuple(pos[i] for i in want), tuple(jax.typeof(a) for a in args), tuple(shardings),
+               tuple(jax.typeof(jax.eval_shape(functools.partial(transform, p), jax.ShapeDtypeStruct(o.shape, o.dtype)))
+                     for p, o in zip(paths, outs)))
+        compiled = self._by_body.get(key)
         if compiled is None:
-            compiled = self._compiled[text] = lowered.compile(compiler_options=_EXACT)
+            lowered = jax.jit(f, out_shardings=list(shardings)).lower(*args)
+            text = lowered.as_text()
+            compiled = self._compiled.get(text)
+            if compiled is None:
+                compiled = self._compiled[text] = lowered.compile(compiler_options=_EXACT)
+            self._by_body[key] = compiled
         return compiled(*args)
 
 

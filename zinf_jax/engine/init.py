@@ -90,7 +90,7 @@ def init_unit_by_unit(
     upcoming = create(batches[0]) if batches else []
     for k, group in enumerate(batches):
         arrays = upcoming
-        # the next batch is created while this one is copied out and written, and the one before is written
+        # the next batch's program is dispatched before this batch is copied out and written
         upcoming = create(batches[k + 1]) if k + 1 < len(batches) else []
         futures = []
         for path, arr in zip(group, arrays):

@@ -298,11 +298,15 @@ class NvmeTier:
             arr = arr.copy(order="C")
         if arr.shape != spec.shard_shape:
             raise TierError(f"nvme tier: shard of {key!r} has shape {arr.shape}, declared {spec.shard_shape}")
-        if self.update is UpdateMode.IN_PLACE and self._state is Generation.CLEAN:
+        first = self._state is Generation.CLEAN
+        if self.update is UpdateMode.IN_PLACE and first:
             self._mark_in_progress()  # See [Note: half-updated tier]
         with self._lock:
             if self._state is Generation.CLEAN:
                 self._state = Generation.WRITING
+        if first:
+            self._create_new_arrays()
+        with self._lock:
             double = self.update.slots == 2
             fresh = 1 - self._slot.get(key, 1)
             slot = self._pending_slot.setdefault(key, fresh if double else self._slot.get(key, 0))
@@ -338,6 +342,17 @@ class NvmeTier:
         with self._lock:
             self._inflight[(key, index)] = fut
         return fut
+
+    def _create_new_arrays(self) -> None:
+        """At a generation's first put: creates at once the arrays of every declared key that has none yet (a
+        new tier's first generation writes every key into its slot 0). A failure here is left to the puts,
+        which create one at a time and report it for their own key."""
+        with self._lock:
+            new = [(key, self._keys.spec(key), 0) for key in self._keys.keys() if key not in self._slot]
+        try:
+            self._arrays.create_many(new)
+        except Exception:  # noqa: BLE001 - each put creates its own array again and names its key
+            pass
 
     def _chunk_files(self, key: str, slot: int, index: int, h: ts.TensorStore, arr: np.ndarray) -> _ChunkFiles:
         """``(file, bytes of arr, padded file size)`` per chunk of shard ``index``, as the array was created."""

@@ -292,6 +292,30 @@ class SlotArrays:
         self._handles[(key, slot)] = h
         return h
 
+    def create_many(self, items: Sequence[tuple[str, ShardSpec, int]]) -> None:
+        """Creates the arrays of ``(key, spec, slot)`` that are neither open nor on disk, all at once.
+
+        Each creation writes (and with ``sync``, fsyncs) the array's metadata; one after another behind a
+        step's data writes they cost ~9 ms each (the 0.40B GPT: 450 arrays, 3.9 s of a 9 s init), issued
+        together ~0.3 ms. An array that exists is left to :meth:`open`, which checks its layout.
+
+        Raises:
+          ValueError, OSError: tensorstore's errors (a full disk).
+        """
+        todo = [(key, spec, slot) for key, spec, slot in items
+                if (key, slot) not in self._handles and not self.slot_dir(key, slot).exists()]
+        futures = []
+        for key, spec, slot in todo:
+            chunk = chunk_shape(spec.shard_shape, np.dtype(np_dtype(spec.dtype)).itemsize, self._chunk_bytes)
+            meta = {"shape": [spec.num_shards, *spec.shard_shape], "data_type": spec.dtype,
+                    "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1, *chunk]}},
+                    "chunk_key_encoding": ZARR3_KEY_ENCODING, "codecs": ZARR3_CODECS}
+            ts_spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(self.slot_dir(key, slot))},
+                       "metadata": meta}
+            futures.append(ts.open(ts_spec, create=True, context=self._ctx))
+        for (key, _, slot), fut in zip(todo, futures):
+            self._handles[(key, slot)] = fut.result()
+
     def delete(self, key: str, slot: int) -> None:
         """Forgets a slot's array and deletes its files (only ever an uncommitted slot)."""
         self._handles.pop((key, slot), None)
