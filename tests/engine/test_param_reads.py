@@ -13,7 +13,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import zinf_jax as zinf
-from helpers.engine_utils import build, flat, nnx_adapter, optax_run, streamed_grads
+from helpers.engine_utils import build, flat, nnx_adapter, optax_run, optax_steps, streamed_grads
 from helpers.llm_models import LookupLM, TiedHeadLM, lm_loss
 from helpers.tp_models import TPLM, tp_loss
 
@@ -108,6 +108,11 @@ def test_persistent_params_keep_a_table_gathered_whatever_its_size(tmp_path):
         zinf.ZeroConfig(persistent_params=("embed/(",))
 
 
+def _linen_reference(module, loss_fn, params, tx, batches, place=lambda t: t):
+    """Plain ``jit(value_and_grad)`` + ``tx`` of a Linen module: the losses and the final params."""
+    return optax_steps(lambda p: (lambda x: module.apply({"params": p}, x)), params, tx, batches, loss_fn, place)
+
+
 @pytest.mark.parametrize("read", ["attr", "variables", "attend"])
 def test_linen_lm_sharing_its_embedding_with_the_head_trains_like_optax(read, tmp_path):
     from flax import traverse_util
@@ -121,20 +126,8 @@ def test_linen_lm_sharing_its_embedding_with_the_head_trains_like_optax(read, tm
                                                  persistence_threshold=THRESHOLD))
     assert "embed" in [u.path for u in eng.adapter.units] and eng.layouts["embed/embedding"].dim is not None
     losses = [eng.train_step(t)["loss"] for t in TOKENS[:5]]
-    params = module.init(jax.random.key(0), tok0)["params"]
-    tx = optax.adamw(3e-3, eps=EPS)
-    opt = tx.init(params)
-
-    @jax.jit
-    def step(p, o, t):
-        loss, g = jax.value_and_grad(lambda p: linen_loss(lambda x: module.apply({"params": p}, x), t))(p)
-        u, o = tx.update(g, o, p)
-        return optax.apply_updates(p, u), o, loss
-
-    ref = []
-    for t in TOKENS[:5]:
-        params, opt, loss = step(params, opt, t)
-        ref.append(float(loss))
+    ref, params = _linen_reference(module, linen_loss, module.init(jax.random.key(0), tok0)["params"],
+                                   optax.adamw(3e-3, eps=EPS), TOKENS[:5])
     np.testing.assert_allclose(losses, ref, rtol=1e-5)
     got = eng.param_arrays()
     for k, v in traverse_util.flatten_dict(params, sep="/").items():
@@ -255,18 +248,8 @@ def test_linen_logical_rules_and_activation_constraints_on_a_fsdp_tensor_mesh(en
         variables = module.init(jax.random.key(0), tok0)
         shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(variables), mesh, LOGICAL_RULES)
         params = jax.device_put(nn.unbox(variables["params"]), shardings["params"])
-        opt = tx.init(params)
-
-        @jax.jit
-        def step(p, o, t):
-            loss, g = jax.value_and_grad(lambda p: linen_tp_loss(lambda x: module.apply({"params": p}, x), t))(p)
-            u, o = tx.update(g, o, p)
-            return optax.apply_updates(p, u), o, loss
-
-        ref = []
-        for t in TOKENS[:4]:
-            params, opt, loss = step(params, opt, jax.device_put(t, P("fsdp")))
-            ref.append(float(loss))
+        ref, params = _linen_reference(module, linen_tp_loss, params, tx, TOKENS[:4],
+                                       place=lambda t: jax.device_put(t, P("fsdp")))
         off = zinf.Offload(tier, path=str(tmp_path) if tier == "nvme" else None)
         eng = zinf.initialize(module, init_args=(tok0,), loss_fn=linen_tp_loss, optimizer=tx, mesh=mesh,
                               config=zinf.ZeroConfig(offload_param=off, offload_optimizer=off, engine=engine,

@@ -80,6 +80,24 @@ def flat(state):
     return {path_str(p): np.asarray(v) for p, v in zip(leaf_paths(state), jax.tree.leaves(state))}
 
 
+def optax_steps(model_of, params, tx, data, loss_fn, place=lambda x: x, place_state=lambda x: x):
+    """Plain ``jit(value_and_grad)`` + optax over ``params``: ``loss_fn(model_of(params), batch)`` for each batch
+    (placed by ``place``; the optimizer state by ``place_state``); the losses and the final params."""
+    opt_state = jax.tree.map(place_state, tx.init(params))
+
+    @jax.jit
+    def step(params, opt_state, b):
+        loss, g = jax.value_and_grad(lambda p: loss_fn(model_of(p), b))(params)
+        updates, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    losses = []
+    for b in data:
+        params, opt_state, loss = step(params, opt_state, place(b))
+        losses.append(float(loss))
+    return losses, params
+
+
 def optax_run(model, tx, data, loss_fn=lm_loss, wrt=nnx.Param, place=jnp.asarray):
     """The reference: plain jit(value_and_grad) + optax on the unwrapped NNX model; losses and final params.
 
@@ -88,16 +106,5 @@ def optax_run(model, tx, data, loss_fn=lm_loss, wrt=nnx.Param, place=jnp.asarray
     """
     gdef, params, rest = nnx.split(model, wrt, ...)
     params, rest = jax.tree.map(place, (params, rest))
-    opt_state = jax.tree.map(place, tx.init(params))
-
-    @jax.jit
-    def step(params, opt_state, b):
-        loss, g = jax.value_and_grad(lambda p: loss_fn(nnx.merge(gdef, p, rest), b))(params)
-        updates, opt_state = tx.update(g, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    losses = []
-    for b in data:
-        params, opt_state, loss = step(params, opt_state, place(b))
-        losses.append(float(loss))
+    losses, params = optax_steps(lambda p: nnx.merge(gdef, p, rest), params, tx, data, loss_fn, place, place)
     return losses, flat(nnx.state(nnx.merge(gdef, params, rest), nnx.Param))
