@@ -5,7 +5,8 @@ connection across every level, ~10 units, batch 8) and a 2-layer GPT of width 32
 Each against ``jit(value_and_grad)`` + ``optax.adamw`` on the unwrapped model, on one device and
 data-parallel on the same 8-device CPU mesh (``plain_mesh``; each of the 8 simulated devices runs its
 program on the 2 cores, so a small model's step is dominated by the devices' synchronisation); zinf with params and optimizer in host RAM (``cpu``), compiled and streamed, and ``fused``: the
-compiled engine with both in device memory (``none``), whose update runs inside the step's program; at the
+compiled engine with both in device memory (``none``), whose update runs inside the step's program; ``default``:
+``ZeroConfig()``'s tiers (params in device memory, the optimizer on the host, zinf's adamw); at the
 default ``persistence_threshold`` (``--threshold 0``: every parameter sharded and gathered). Reps
 interleave the runners; medians of per-rep ratios. JSON under ``results/bench_small.json``.
 
@@ -107,8 +108,12 @@ def plain(ctor, loss_fn, mesh=None):
 
 
 def engine(ctor, loss_fn, mode, threshold):
-    """``mode``: ``compiled``/``streamed`` (params and optimizer on cpu, optax's adamw), or ``fused`` (the compiled
-    engine with both in device memory and zinf's adamw, whose update runs inside the step's program)."""
+    """``mode``: ``compiled``/``streamed`` (params and optimizer on cpu, optax's adamw), ``fused`` (the compiled
+    engine with both in device memory and zinf's adamw, whose update runs inside the step's program), or
+    ``default`` (``ZeroConfig()``'s tiers: params in device memory, the optimizer on the host; zinf's adamw)."""
+    if mode == "default":
+        config = zinf.ZeroConfig(persistence_threshold=threshold)
+        return zinf.initialize(ctor, config=config, loss_fn=loss_fn, optimizer=zinf.adamw(LR, weight_decay=0.0))
     tier = "none" if mode == "fused" else "cpu"
     config = zinf.ZeroConfig(offload_param=zinf.Offload(tier), offload_optimizer=zinf.Offload(tier),
                              engine="compiled" if mode == "fused" else mode, persistence_threshold=threshold)
@@ -117,7 +122,7 @@ def engine(ctor, loss_fn, mode, threshold):
 
 
 def bench(name, ctor, loss_fn, batches, args) -> dict:
-    engines = {m: engine(ctor, loss_fn, m, args.threshold) for m in ("fused", "compiled", "streamed")}
+    engines = {m: engine(ctor, loss_fn, m, args.threshold) for m in ("fused", "default", "compiled", "streamed")}
     runners = {"plain": plain(ctor, loss_fn), "plain_mesh": plain(ctor, loss_fn, engines["fused"].mesh)}
     units = len(engines["compiled"].adapter.units)
     for m, eng in engines.items():

@@ -224,3 +224,13 @@ def test_serial_and_parallel_kernels_agree_bitwise(n):
     kernel._adam_serial_nb(*b, *coeffs)
     for x, y in zip(a, b):
         np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("n", [1, 1000, kernel.SERIAL_BELOW, kernel.NORM_SERIAL_BELOW - 1, kernel.NORM_SERIAL_BELOW + 13])
+def test_sum_squares_is_the_float64_sum_either_side_of_the_serial_threshold(n):
+    # below NORM_SERIAL_BELOW the serial kernel sums, above it the parallel one: both the float64 sum
+    x = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+    ref = float(np.sum(x.astype(np.float64) ** 2))
+    assert kernel.sum_squares(x) == pytest.approx(ref, rel=1e-12)
+    x[n // 2] = np.inf
+    assert not np.isfinite(kernel.sum_squares(x))

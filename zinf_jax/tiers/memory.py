@@ -12,6 +12,7 @@ live in a :class:`~zinf_jax.tiers.keys.KeyRegistry`, as in the NVMe tier.
 """
 from __future__ import annotations
 
+import math
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Sequence
@@ -31,7 +32,7 @@ INLINE_BYTES = 1 << 18
 
 
 def _nbytes(value: Any) -> int:
-    return int(np.prod(value.shape, dtype=np.int64)) * np.dtype(value.dtype).itemsize
+    return math.prod(value.shape) * np.dtype(value.dtype).itemsize
 
 
 class _MemoryTier:
@@ -43,6 +44,7 @@ class _MemoryTier:
         self.budget = ByteBudget(max_in_flight_bytes)
         self._keys = KeyRegistry(self.kind)
         self._data: dict[tuple[str, int], Any] = {}
+        self._bytes = 0  # bytes of the shards in _data (see :meth:`_set`)
         self._puts: dict[tuple[str, int], Future] = {}  # the last put of each shard (reads wait for it)
         self._meta: dict[str, Any] = {}
         self._lock = threading.Lock()
@@ -129,7 +131,7 @@ class _MemoryTier:
                 old = self._data.get((key, index))
             stored = self._place(index, value, spec, old)
             with self._lock:
-                self._data[(key, index)] = stored
+                self._set(key, index, stored)
 
         fut = self._submit(spec.shard_nbytes, store)
         with self._lock:
@@ -145,7 +147,7 @@ class _MemoryTier:
             self._settle_many([(key, index) for key, index, _ in items])
             with self._lock:
                 for (key, index, value), spec in zip(items, specs):
-                    self._data[(key, index)] = self._place(index, value, spec, self._data.get((key, index)))
+                    self._set(key, index, self._place(index, value, spec, self._data.get((key, index))))
                 self._version += 1
             return [done_future()]
         # copies: on CPU, device_put may alias a numpy buffer, which the caller may reuse
@@ -188,8 +190,14 @@ class _MemoryTier:
         self._settle_many([(key, index) for key, index, _ in items])  # an earlier put still in flight lands first
         with self._lock:
             for key, index, value in items:
-                self._data[(key, index)] = value
+                self._set(key, index, value)
             self._version += 1
+
+    def _set(self, key: str, index: int, value: Any) -> None:
+        """Stores a shard (under the lock), keeping count of the bytes held."""
+        old = self._data.get((key, index))
+        self._bytes += _nbytes(value) - (0 if old is None else _nbytes(old))
+        self._data[(key, index)] = value
 
     def _memory_kind(self) -> str | None:
         """The memory kind of the jax.Arrays this tier keeps (``None``: numpy buffers)."""
@@ -249,7 +257,7 @@ class _MemoryTier:
     def stored_bytes(self) -> int:
         """Bytes held."""
         with self._lock:
-            return sum(_nbytes(v) for v in self._data.values())
+            return self._bytes
 
     def close(self) -> None:
         self.wait()
