@@ -1,10 +1,14 @@
 """Every tier: bitwise round trips, concurrency, bounded in-flight bytes, atomic commit."""
+import gc
 import threading
+import weakref
+from concurrent.futures import Future
 
 import ml_dtypes
 import numpy as np
 import pytest
 
+from zinf_jax._internal.futures import all_of
 from zinf_jax.tiers import CpuTier, DeviceTier, NvmeTier, ShardSpec, TierError
 
 KINDS = ["device", "cpu", "cpu-numpy", "nvme"]
@@ -206,3 +210,45 @@ def test_put_many_and_get_many_round_trip_after_single_puts(tier):
     assert np.asarray(tier.get("b", 1).result()).tobytes() == big[0].tobytes()  # put_many's write, after put's
     with pytest.raises(TierError, match="shape"):
         tier.put_many([("a", 0, np.zeros(6, np.float32))])
+
+
+def test_all_of_reports_the_first_error_in_list_order_and_leaves_no_cycle():
+    gc.collect()
+    gc.disable()  # what is freed here is freed by reference counting alone
+    try:
+        a, b, c = Future(), Future(), Future()
+        out = all_of([a, b, c])
+        c.set_exception(KeyError("c"))
+        b.set_exception(ValueError("b"))  # fails after c, but comes first in the list
+        assert not out.done()
+        a.set_result(np.zeros(4))
+        assert isinstance(out.exception(), ValueError)
+        refs = [weakref.ref(x) for x in (a, b, c, out)]
+        del a, b, c, out
+        assert [r() for r in refs] == [None] * 4
+        assert all_of([]).result() is None
+    finally:
+        gc.enable()
+
+
+def test_finished_io_is_freed_without_the_cycle_collector(tier):
+    # a future's callbacks must not reach the future again (see [Note: no future cycles]): a finished read
+    # or write is freed, with its buffer, once the caller drops it, not when the cyclic collector runs
+    spec = ShardSpec(shard_shape=(1024, 1024), dtype="float32", num_shards=2)  # 4 MiB: still in flight when
+    tier.declare("p/w", spec)                                                  # its callbacks are added
+    gc.collect()
+    gc.disable()
+    try:
+        puts = [tier.put("p/w", i, np.full((1024, 1024), i, np.float32)) for i in range(2)]
+        for f in puts:
+            f.result()
+        tier.commit()
+        gets = [tier.get("p/w", i) for i in range(2)]
+        got = [f.result() for f in gets]
+        assert [float(np.asarray(g)[0, 0]) for g in got] == [0.0, 1.0]
+        refs = [weakref.ref(f) for f in puts + gets]
+        bufs = [weakref.ref(g) for g in got if isinstance(g, np.ndarray)]  # (jax.Arrays: the tier's own)
+        del puts, gets, got, f
+        assert [r() for r in refs + bufs] == [None] * len(refs + bufs)
+    finally:
+        gc.enable()

@@ -5,6 +5,7 @@ The tiers return :class:`concurrent.futures.Future` s (and tensorstore futures, 
 """
 from __future__ import annotations
 
+import functools
 import threading
 from concurrent.futures import Future
 from typing import Any, Iterable, Sequence
@@ -20,24 +21,44 @@ def done_future(value: Any = None) -> Future:
 
 
 def all_of(futs: Sequence[Future]) -> Future:
-    """A future resolving when all of ``futs`` have, with the first exception if any failed."""
+    """A future resolving when all of ``futs`` have, with the first exception (in list order) if any failed.
+
+    Leaves no reference cycle once done (see [Note: no future cycles]).
+    """
     out: Future = Future()
-    left = [len(futs)]
-    lock = threading.Lock()
-
-    def one(_: Future) -> None:
-        with lock:
-            left[0] -= 1
-            last = left[0] == 0
-        if last:
-            err = next((f.exception() for f in futs if f.exception() is not None), None)
-            out.set_exception(err) if err is not None else out.set_result(None)
-
     if not futs:
         out.set_result(None)
-    for f in futs:
-        f.add_done_callback(one)
+        return out
+    errors: list[BaseException | None] = [None] * len(futs)
+    left = [len(futs)]
+    box = [out]  # emptied by the last callback: the inputs' callbacks then reach nothing
+    lock = threading.Lock()
+
+    def one(i: int, f: Future) -> None:
+        err = f.exception()
+        with lock:
+            errors[i] = err
+            left[0] -= 1
+            target = box.pop() if left[0] == 0 else None
+        if target is not None:
+            first = next((e for e in errors if e is not None), None)
+            errors.clear()
+            target.set_exception(first) if first is not None else target.set_result(None)
+
+    for i, f in enumerate(futs):
+        f.add_done_callback(functools.partial(one, i))
     return out
+
+
+# [Note: no future cycles]
+# A concurrent.futures.Future keeps its done-callbacks after calling them. A callback that reaches the
+# future it is registered on (a closure over the list of inputs, or over an output whose own callback
+# reaches the inputs) makes a reference cycle, and a cycle is freed only when Python's cyclic collector
+# runs: until then every future in it keeps its result, a read shard's host buffer. A step of the
+# 2048-wide GPT on nvme left ~5,000 such futures and gigabytes of buffers to the collector, so RSS
+# depended on when the collector happened to run (the forward+backward peak at 0.40B: 2.2 GiB in one
+# step, 3.2 in the next). all_of's callbacks reach nothing once the last has run, so each future is
+# freed when its last holder lets go; a callback given an input list should drop it once it has run.
 
 
 def is_future(x: Any) -> bool:

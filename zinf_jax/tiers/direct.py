@@ -278,10 +278,13 @@ def _chain(src: Future, dst: Future) -> None:
 def _both(first: Future, second: Future) -> Future:
     """A future resolving to ``second``'s result once both are done; ``first``'s error wins."""
     out: Future = Future()
+    held = [first, second]  # dropped once used: See [Note: no future cycles] in zinf_jax._internal.futures
 
     def done(_: Future) -> None:
-        err = first.exception() or second.exception()
-        out.set_exception(err) if err is not None else out.set_result(second.result())
+        a, b = held
+        held.clear()
+        err = a.exception() or b.exception()
+        out.set_exception(err) if err is not None else out.set_result(b.result())
 
     all_of([first, second]).add_done_callback(done)
     return out
