@@ -275,14 +275,7 @@ class SlotArrays:
         h = self._handles.get((key, slot))
         if h is not None:
             return h
-        meta: dict[str, Any] = {"shape": [spec.num_shards, *spec.shard_shape], "data_type": spec.dtype}
-        if fresh:  # an existing array keeps the chunking it was created with
-            chunk = chunk_shape(spec.shard_shape, np.dtype(np_dtype(spec.dtype)).itemsize, self._chunk_bytes)
-            meta["chunk_grid"] = {"name": "regular", "configuration": {"chunk_shape": [1, *chunk]}}
-            meta["chunk_key_encoding"] = ZARR3_KEY_ENCODING
-            meta["codecs"] = ZARR3_CODECS
-        kvstore = {"driver": "file", "path": str(self.slot_dir(key, slot))}
-        ts_spec = {"driver": "zarr3", "kvstore": kvstore, "metadata": meta}
+        ts_spec = self._ts_spec(key, spec, slot, new=fresh)  # an existing array keeps the chunking it was made with
         try:
             h = ts.open(ts_spec, open=True, context=self._ctx).result()
         except ValueError:
@@ -306,15 +299,20 @@ class SlotArrays:
                 if (key, slot) not in self._handles and not self.slot_dir(key, slot).exists()]
         futures = []
         for key, spec, slot in todo:
-            chunk = chunk_shape(spec.shard_shape, np.dtype(np_dtype(spec.dtype)).itemsize, self._chunk_bytes)
-            meta = {"shape": [spec.num_shards, *spec.shard_shape], "data_type": spec.dtype,
-                    "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1, *chunk]}},
-                    "chunk_key_encoding": ZARR3_KEY_ENCODING, "codecs": ZARR3_CODECS}
-            ts_spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(self.slot_dir(key, slot))},
-                       "metadata": meta}
-            futures.append(ts.open(ts_spec, create=True, context=self._ctx))
+            futures.append(ts.open(self._ts_spec(key, spec, slot, new=True), create=True, context=self._ctx))
         for (key, _, slot), fut in zip(todo, futures):
             self._handles[(key, slot)] = fut.result()
+
+    def _ts_spec(self, key: str, spec: ShardSpec, slot: int, *, new: bool) -> dict[str, Any]:
+        """The tensorstore spec of a slot's array; ``new``: with the chunking and codecs an array is created with."""
+        meta: dict[str, Any] = {"shape": [spec.num_shards, *spec.shard_shape], "data_type": spec.dtype}
+        if new:
+            chunk = chunk_shape(spec.shard_shape, np.dtype(np_dtype(spec.dtype)).itemsize, self._chunk_bytes)
+            meta["chunk_grid"] = {"name": "regular", "configuration": {"chunk_shape": [1, *chunk]}}
+            meta["chunk_key_encoding"] = ZARR3_KEY_ENCODING
+            meta["codecs"] = ZARR3_CODECS
+        return {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(self.slot_dir(key, slot))},
+                "metadata": meta}
 
     def delete(self, key: str, slot: int) -> None:
         """Forgets a slot's array and deletes its files (only ever an uncommitted slot)."""
