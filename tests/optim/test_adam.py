@@ -234,3 +234,20 @@ def test_sum_squares_is_the_float64_sum_either_side_of_the_serial_threshold(n):
     assert kernel.sum_squares(x) == pytest.approx(ref, rel=1e-12)
     x[n // 2] = np.inf
     assert not np.isfinite(kernel.sum_squares(x))
+
+
+@pytest.mark.skipif(not kernel.NUMBA_AVAILABLE, reason="numba not installed")
+@pytest.mark.parametrize("n", [1000, kernel.SERIAL_BELOW + 13])
+def test_kernel_divides_and_takes_square_roots_correctly_rounded(n):
+    # with g = 0, b1 = b2 = 1, eps = eps_root = wd = 0 and lr = 1 the step is p = 0 - (m / bc1) / sqrt(v / bc2):
+    # bitwise numpy's float32 arithmetic unless the kernel approximates a division (numba's fastmath "arcp"
+    # turned m / bc1 into m * (1 / bc1): on an AVX-512 machine the cpu optimizer then left optax and the
+    # in-program XLA update by an ulp, and two runs that must be equal were not)
+    rng = np.random.default_rng(n)
+    m = rng.standard_normal(n).astype(np.float32)
+    v = (rng.random(n) + 0.1).astype(np.float32)
+    p, g = np.zeros(n, np.float32), np.zeros(n, np.float32)
+    bc1, bc2 = np.float32(0.271), np.float32(0.0199)
+    coeffs = kernel.AdamCoefficients(*(np.float32(x) for x in (1, 1, 0, 1, 0, bc1, bc2, 0, 0, 0, -1)))
+    kernel.fused_adam_(p, m.copy(), v.copy(), g, coeffs)
+    np.testing.assert_array_equal(p, -((m / bc1) / np.sqrt(v / bc2)))

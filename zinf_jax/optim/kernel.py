@@ -116,14 +116,14 @@ if NUMBA_AVAILABLE:
         u = u + wd * p[i]
         p[i] = p[i] + neg_lr * u
 
-    _adam_elem = njit(inline="always", fastmath={"arcp", "contract"}, error_model="numpy", cache=True)(_adam_body)
+    _adam_elem = njit(inline="always", fastmath={"contract"}, error_model="numpy", cache=True)(_adam_body)
 
-    @njit(parallel=True, nogil=True, fastmath={"arcp", "contract"}, error_model="numpy", cache=True)
+    @njit(parallel=True, nogil=True, fastmath={"contract"}, error_model="numpy", cache=True)
     def _adam_nb(p, m, v, g, gs, b1, omb1, b2, omb2, bc1, bc2, eps, eps_root, wd, neg_lr):
         for i in prange(p.shape[0]):
             _adam_elem(p, m, v, g, gs, b1, omb1, b2, omb2, bc1, bc2, eps, eps_root, wd, neg_lr, i)
 
-    @njit(nogil=True, fastmath={"arcp", "contract"}, error_model="numpy", cache=True)
+    @njit(nogil=True, fastmath={"contract"}, error_model="numpy", cache=True)
     def _adam_serial_nb(p, m, v, g, gs, b1, omb1, b2, omb2, bc1, bc2, eps, eps_root, wd, neg_lr):
         for i in range(p.shape[0]):
             _adam_elem(p, m, v, g, gs, b1, omb1, b2, omb2, bc1, bc2, eps, eps_root, wd, neg_lr, i)
