@@ -42,6 +42,7 @@ from zinf_jax.plan.partition import local_shard_devices, make_mesh, plan_partiti
 from zinf_jax.plan.placement import place
 from zinf_jax.plan.units import UnitPolicy, persistent_paths
 from zinf_jax.tiers.nvme_layout import chunk_shape
+from zinf_jax.tiers.nvme_packs import PACK_BELOW_BYTES, packed_nbytes
 
 __all__ = ["Machine", "MemoryEstimate", "CONFIGURATIONS", "RUNTIME_OVERHEAD", "estimate", "estimate_from_sizes",
            "estimate_from_model", "fits", "format_report"]
@@ -168,11 +169,14 @@ class _Digest:
     store_sharded: int  # the part of ``store`` split over devices
     store_disk: int  # chunk files of one param slot
     store_disk_trained: int  # the part of ``store_disk`` that trained params take (fp32: the master replaces it)
+    store_io_trained: int  # bytes a step writes of them (packed shards without their page padding)
     grad: int  # grad sink
     grad_ram: int  # with gradients out: the small shards kept in host RAM (grads_out.IN_RAM_BELOW)
     grad_disk: int  # with gradients out: the scratch tier's files (the other shards' chunks and key metadata)
+    grad_io: int  # bytes a step writes (and reads back) of them
     opt: int  # master + m + v
-    opt_disk: int  # chunk files of one optimizer slot
+    opt_disk: int  # chunk and pack files of one optimizer slot
+    opt_io: int  # bytes a step reads (and writes) of them
     groups: int  # the optimizer's units of work: sub-groups, small whole shards in packs (optim.driver)
     max_chunk: int  # elements of one buffer set: the largest sub-group or pack
     packs: bool  # a pack's gradient is gathered into its buffer set (one more array)
@@ -270,13 +274,13 @@ def _step_io(d: _Digest, config: ZeroConfig, pt: str, ot: str, grads_out: bool, 
         passes = 2 if config.activation_checkpointing else 1
         read += passes * sum(d.unit_held[u] * d.n_idx // d.n_local for u in fetches) + d.glue // d.n_local
         if not shared:  # the new compute-dtype values of the trained params
-            write += d.store_disk_trained
+            write += d.store_io_trained
     if ot == "nvme":
-        read += d.opt_disk
-        write += d.opt_disk
+        read += d.opt_io
+        write += d.opt_io
         if grads_out:  # written in the backward, read back by the optimizer
-            read += d.grad_disk
-            write += d.grad_disk
+            read += d.grad_io
+            write += d.grad_io
     return int(read), int(write)
 
 
@@ -320,6 +324,16 @@ def estimate_from_sizes(
     act = batch * seq * h * c // P
     calls = [(0, batch * seq * 4 // P)] + [(1 + i, act) for i in range(layers)] + [(layers + 1 if untied else 0, act)]
     shard = max(4 * h * h, embed) // n_devices
+    tensors = [3 * h * h, h * h, 4 * h * h, 4 * h * h, 3 * h, h, 4 * h, h, h, h, h, h] * layers + [embed, h, h]
+    tensors += [head] if untied else []
+
+    def pad(itemsize: int) -> int:
+        """The page padding of one process's packed shards of every tensor (see ``_on_disk``)."""
+        out = 0
+        for t in tensors:
+            n, count = (-(-t // n_devices), n_local) if t > config.persistence_threshold else (t, 1)
+            out += count * (_on_disk((n,), itemsize) - n * itemsize)
+        return out
     chunk = sub_groups(shard, config.sub_group_size)[0]
     a = heads or max(1, h // 64)  # per-layer activations (Korthikanti et al. 2022) + logits, log-softmax, grad
     workspace = (seq * batch * h * (34 + 5 * a * seq / h) * c / 2 + batch * seq * vocab * (c + 8)) / n_devices
@@ -327,11 +341,15 @@ def estimate_from_sizes(
         n_local=n_local, n_idx=n_local, n_processes=P, compute_dtype=cd, params=params,
         unit_held=tuple(u * c // P for u in units), unit_gathered=tuple(u * c * n_local for u in units),
         unit_grad=tuple(u * 4 // P for u in units), calls=tuple(calls), rests=0, glue=glue_el * c * n_local,
-        store=params * c // P, store_sharded=(params - glue_el) * c // P, store_disk=params * c // P,
-        store_disk_trained=params * c // P,
-        grad=params * 4 // P, opt=_state_bytes(config) * params // P, opt_disk=_state_bytes(config) * params // P,
+        store=params * c // P, store_sharded=(params - glue_el) * c // P,
+        store_disk=params * c // P + pad(c), store_disk_trained=params * c // P + pad(c),
+        store_io_trained=params * c // P,
+        grad=params * 4 // P, opt=_state_bytes(config) * params // P,
+        opt_disk=_state_bytes(config) * params // P + pad(4) + 2 * pad(_moment_bytes(config)),
+        opt_io=_state_bytes(config) * params // P,
         grad_ram=params * 4 // P if shard * 4 < IN_RAM_BELOW else 0,
         grad_disk=0 if shard * 4 < IN_RAM_BELOW else params * 4 // P + (12 * layers + 3 + untied) * _KEY_METADATA_BYTES,
+        grad_io=0 if shard * 4 < IN_RAM_BELOW else params * 4 // P,
         **_pool(config, [(shard, max(1, (params // P) // max(shard, 1)))]),
         assembly=4 * shard if shard > chunk else 0,
         param_meta=(12 * layers + 3 + untied) * _KEY_METADATA_BYTES, workspace=int(workspace))
@@ -356,9 +374,16 @@ def _nbytes(tree: Any) -> int:
 
 
 def _padded(shape: Sequence[int], itemsize: int) -> int:
-    """Bytes of the zarr chunk files of one shard (edge chunks are stored whole)."""
+    """Bytes of the zarr chunk files of one shard (edge chunks are stored whole): what reading or writing it
+    moves (a packed shard is smaller than one chunk: its own bytes)."""
     chunk = chunk_shape(shape, itemsize, 16 << 20)  # NvmeTier's default chunk_bytes
     return itemsize * math.prod(-(-s // k) * k for s, k in zip(shape, chunk))
+
+
+def _on_disk(shape: Sequence[int], itemsize: int) -> int:
+    """Bytes one shard takes on disk: a packed one starts on a page of its pack file."""
+    nbytes = itemsize * math.prod(shape)
+    return packed_nbytes(nbytes) if nbytes < PACK_BELOW_BYTES else _padded(shape, itemsize)
 
 
 def _trace_calls(adapter: Any, dtype_of: Callable[[str], str], layouts: Mapping[str, Any], loss_fn: Callable,
@@ -450,15 +475,19 @@ def estimate_from_model(
         glue=sum(layouts[p].bytes_per_device(dtype_of(p)) * n_local for p in adapter.glue_paths),
         store=sum(item[p] * local[p] for p in layouts),
         store_sharded=sum(item[p] * local[p] for p, lay in layouts.items() if lay.dim is not None),
-        store_disk=sum(_padded(layouts[p].shard_shape, item[p]) * shards[p] for p in layouts),
-        store_disk_trained=sum(_padded(layouts[p].shard_shape, item[p]) * shards[p] for p in trained),
+        store_disk=sum(_on_disk(layouts[p].shard_shape, item[p]) * shards[p] for p in layouts),
+        store_disk_trained=sum(_on_disk(layouts[p].shard_shape, item[p]) * shards[p] for p in trained),
+        store_io_trained=sum(_padded(layouts[p].shard_shape, item[p]) * shards[p] for p in trained),
         grad=sum(4 * local[p] for p in trained),
         opt=sum(_state_bytes(config) * n_chunks[p] * chunk[p] * shards[p] for p in trained),
         grad_ram=sum(4 * n_chunks[p] * chunk[p] * shards[p] for p in trained if 4 * numel[p] < IN_RAM_BELOW),
-        grad_disk=sum(n_chunks[p] * shards[p] * _padded((chunk[p],), 4) + _KEY_METADATA_BYTES + len(p) + 3 * shards[p]
+        grad_disk=sum(n_chunks[p] * shards[p] * _on_disk((chunk[p],), 4) + _KEY_METADATA_BYTES + len(p) + 3 * shards[p]
                       for p in trained if 4 * numel[p] >= IN_RAM_BELOW),
-        opt_disk=sum(n_chunks[p] * shards[p] * (_padded((chunk[p],), 4) + 2 * _padded((chunk[p],), _moment_bytes(config)))
-                     for p in trained),
+        grad_io=sum(n_chunks[p] * shards[p] * _padded((chunk[p],), 4) for p in trained if 4 * numel[p] >= IN_RAM_BELOW),
+        opt_disk=sum(n_chunks[p] * shards[p] * (_on_disk((chunk[p],), 4)
+                                                + 2 * _on_disk((chunk[p],), _moment_bytes(config))) for p in trained),
+        opt_io=sum(n_chunks[p] * shards[p] * (_padded((chunk[p],), 4) + 2 * _padded((chunk[p],), _moment_bytes(config)))
+                   for p in trained),
         **_pool(config, [(numel[p], shards[p]) for p in trained]),
         assembly=4 * max((numel[p] for p in trained if n_chunks[p] > 1), default=0),
         param_meta=sum(_KEY_METADATA_BYTES + len(p) + 3 * shards[p] for p in layouts),

@@ -113,7 +113,8 @@ def _chunk_files(tier_dir, key):
 
 
 def test_aio_block_size_and_threads_shape_the_nvme_io(tmp_path):
-    """aio.block_size cuts shards into chunk files of that size; aio.thread_count sizes the I/O pools."""
+    """aio.block_size cuts shards into chunk files of that size and bounds the files small shards are packed in;
+    aio.thread_count sizes the I/O pools."""
     def run(path, aio):
         path.mkdir()
         cfg = zinf.ZeroConfig.from_deepspeed({
@@ -121,19 +122,23 @@ def test_aio_block_size_and_threads_shape_the_nvme_io(tmp_path):
                                   "offload_param": {"device": "nvme", "nvme_path": str(path)},
                                   "offload_optimizer": {"device": "nvme", "nvme_path": str(path)}},
             **({"aio": aio} if aio else {})})
-        eng = zinf.initialize(lambda: GPT(GPTConfig(d_model=128, n_heads=4, n_layers=1, seq=16), rngs=nnx.Rngs(0)),
-                              config=cfg, optimizer=zinf.adamw(1e-3), loss_fn=lm_loss)
+        mk = lambda: GPT(GPTConfig(vocab=8192, d_model=256, n_heads=4, n_layers=1, seq=16), rngs=nnx.Rngs(0))  # noqa: E731
+        eng = zinf.initialize(mk, config=cfg, optimizer=zinf.adamw(1e-3), loss_fn=lm_loss)
         eng.train_step(batches(1)[0])
-        pools = [(t._io._readers._max_workers, len(t._io._readers._threads), t._io._writers._max_workers)
+        pools = [(t._arrays._io._readers._max_workers, len(t._arrays._io._readers._threads),
+                  t._arrays._io._writers._max_workers)
                  for t in (eng.param_tier, eng.opt_tier, eng.grad_tier)]
         eng.close()
         return pools
 
-    key = "master/blocks/0/up/kernel"  # 128 x 512 fp32 over 8 devices: 32 KiB shards
-    small = run(tmp_path / "a", {"block_size": 8192, "thread_count": 2})
+    key = "master/embed/embedding"  # 8192 x 256 fp32 over 8 devices: 1 MiB shards, not packed
+    small = run(tmp_path / "a", {"block_size": 256 << 10, "thread_count": 2})
     default = run(tmp_path / "b", None)
     got, base = _chunk_files(tmp_path / "a" / "optimizer", key), _chunk_files(tmp_path / "b" / "optimizer", key)
-    assert len(base) == 8 and len(got) == 8 * 4  # one file per shard by default; 8 KiB pieces: 4 per shard
-    assert {f.stat().st_size for f in got} == {8192}
-    assert all(r == w == 2 and live <= 2 for r, live, w in small)  # (small shards go through tensorstore)
+    assert len(base) == 8 and len(got) == 8 * 4  # one file per shard by default; 256 KiB pieces: 4 per shard
+    assert {f.stat().st_size for f in got} == {256 << 10}
+    packs = [sorted((d / "optimizer" / "process_0" / "packs").iterdir()) for d in (tmp_path / "a", tmp_path / "b")]
+    # the small shards: one pack file by default; with 256 KiB blocks, files of <= 256 KiB (or one larger key each)
+    assert len(packs[1]) == 1 and len(packs[0]) > 3
+    assert all(r == w == 2 and live <= 2 for r, live, w in small)
     assert all(r == w == 4 for r, _, w in default)

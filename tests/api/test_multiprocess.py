@@ -65,14 +65,28 @@ def test_two_processes_match_single_process(two_processes):
 
 
 def _chunks(root):
-    """``{tier key: {chunk: bytes}}`` of the tensorstore chunk files under an nvme directory (any process)."""
+    """``{tier key: {shard or chunk: bytes}}`` stored on disk under an nvme directory (any process): the chunk
+    files of unpacked keys, and the members of packed keys inside pack files that exist and hold them."""
     out = {}
-    for f in Path(root).rglob("*"):
-        rel = f.relative_to(root).as_posix()
-        if f.is_file() and "/c/" in rel:
-            key, chunk = rel.split("/c/")
-            key = "/".join(x for x in key.split("/") if not x.startswith("process_"))
-            out.setdefault(key, {})[chunk] = f.stat().st_size
+    for man_path in Path(root).rglob("MANIFEST.json"):
+        proc = man_path.parent
+        tier = proc.parent.relative_to(root).as_posix()
+        man = json.loads(man_path.read_text())
+        packs = man.get("packs", {})
+        for key, v in man["keys"].items():
+            mine = out.setdefault(f"{tier}/{key}", {})
+            if "pack" in v:
+                pack = packs[v["pack"]]
+                size = (proc / "packs" / f"{v['pack']}.s{pack['slot']}").stat().st_size
+                for k, i, off, n in pack["members"]:
+                    if k == key:
+                        assert off + n <= size
+                        mine[str(i)] = n
+                continue
+            chunks = proc / "data" / key / f"s{v['slot']}" / "c"
+            for f in chunks.rglob("*"):
+                if f.is_file():
+                    mine[f.relative_to(chunks).as_posix()] = f.stat().st_size  # <shard>/<chunk...>
     return out
 
 

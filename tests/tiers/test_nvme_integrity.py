@@ -2,7 +2,8 @@
 
 Every chunk file is checksummed on write and verified on read, on both I/O
 routes (tensorstore for small shards, ChunkIO's direct I/O for large ones:
-``direct_min_bytes`` picks the route here, so the arrays stay tiny). A bit flip,
+``direct_min_bytes`` picks the route here, so the arrays stay tiny; packing is
+off, packed shards have their own tests in ``test_nvme_packs.py``). A bit flip,
 a truncated or deleted chunk file, a deleted slot directory and a damaged
 manifest are each a ``TierDataError`` naming the key, the shard and the file.
 The full-disk test mounts a small tmpfs (root only) and skips otherwise.
@@ -26,7 +27,8 @@ ROUTES = {"tensorstore": 1 << 30, "direct": 0}  # direct_min_bytes choosing each
 
 
 def _open(path: Path, route: str, **kw) -> NvmeTier:
-    return NvmeTier(path, process_index=0, chunk_bytes=CHUNK_BYTES, direct_min_bytes=ROUTES[route], **kw)
+    return NvmeTier(path, process_index=0, chunk_bytes=CHUNK_BYTES, direct_min_bytes=ROUTES[route], pack_below_bytes=0,
+                    **kw)
 
 
 def _value(gen: int, index: int) -> np.ndarray:

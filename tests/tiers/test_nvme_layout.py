@@ -1,7 +1,9 @@
 """The NVMe tier writes chunk files itself: they must be exactly what tensorstore's zarr3 driver reads.
 
 The reference is plain tensorstore opening the slot directory the manifest
-names, with no zinf code in the read path.
+names, with no zinf code in the read path. The shards here are small, so the
+tiers are opened with ``pack_below_bytes=0`` (every key in arrays of its own;
+packed shards: ``test_nvme_packs.py``).
 """
 import json
 import os
@@ -38,7 +40,7 @@ def test_chunk_files_read_by_plain_tensorstore(tmp_path, shape, dtype, chunk_byt
     rng = np.random.default_rng(0)
     np_t = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
     vals = [(rng.standard_normal(shape) * 100).astype(np_t) for _ in range(3)]
-    tier = NvmeTier(tmp_path, process_index=0, chunk_bytes=chunk_bytes, direct_io=direct_io)
+    tier = NvmeTier(tmp_path, process_index=0, chunk_bytes=chunk_bytes, direct_io=direct_io, pack_below_bytes=0)
     tier.declare("w", ShardSpec(shard_shape=shape, dtype=dtype, num_shards=3))
     for gen in range(3):  # generations 2 and 3 overwrite the slots of generations 0 and 1 in place
         for f in [tier.put("w", i, v + gen) for i, v in enumerate(vals)]:
@@ -55,7 +57,7 @@ def test_chunk_files_read_by_plain_tensorstore(tmp_path, shape, dtype, chunk_byt
         arr[1].write(want[1]).result()  # ...and the bytes the tier wrote read back fine again
         assert tier.get("w", 1).result().tobytes() == want[1].tobytes()
     tier.close()
-    again = NvmeTier(tmp_path, process_index=0, chunk_bytes=chunk_bytes, direct_io=direct_io)
+    again = NvmeTier(tmp_path, process_index=0, chunk_bytes=chunk_bytes, direct_io=direct_io, pack_below_bytes=0)
     assert again.get("w", 2).result().tobytes() == (vals[2] + 2).tobytes()
     with pytest.raises(TierError, match="C-contiguous"):
         again.get("w", 2, out=np.empty(shape, np.float64))
@@ -142,7 +144,8 @@ def test_unreadable_manifest_is_a_clear_error_and_releases_the_lock(tmp_path):
 def test_small_and_large_shard_paths_write_the_same_files(tmp_path, direct_min_bytes):
     """Small shards go through tensorstore's I/O, large ones through ChunkIO: same bytes on disk either way."""
     vals = [np.arange(5000, dtype=np.float32) + i for i in range(2)]
-    tier = NvmeTier(tmp_path, process_index=0, chunk_bytes=4096, direct_min_bytes=direct_min_bytes)
+    tier = NvmeTier(tmp_path, process_index=0, chunk_bytes=4096, direct_min_bytes=direct_min_bytes,
+                    pack_below_bytes=0)
     tier.declare("k", ShardSpec(shard_shape=(5000,), dtype="float32", num_shards=2))
     for f in [tier.put("k", i, v) for i, v in enumerate(vals)]:
         f.result()

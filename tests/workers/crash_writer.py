@@ -12,7 +12,10 @@ returns. Step ``s`` writes, for every key, deterministic values seeded by
 shards each step, so the tier's commit must copy the others from the previous
 generation. The tier cuts shards into chunks of at most 200 kB, so most shards
 span several chunk files (the parent reopens with the default chunking and must
-still read them).
+still read them). Keys under 1 MiB a shard are packed (files of at most 200 kB, a
+larger key alone): ``blocks/0/ln/scale``, ``m/blocks/0/attn/qkv`` and the sparse
+``sparse/bias`` share one file, so a commit completes a pack file with shards
+written one step earlier.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ KEYS: dict[str, tuple[ShardSpec, bool]] = {
     "blocks/0/ln/scale": (ShardSpec(shard_shape=(7,), dtype="float32", num_shards=2), False),
     "m/blocks/0/attn/qkv": (ShardSpec(shard_shape=(33, 65, 3), dtype="bfloat16", num_shards=3), False),
     "sparse/head": (ShardSpec(shard_shape=(1024, 257), dtype="float32", num_shards=4), True),     # ~1 MiB
+    "sparse/bias": (ShardSpec(shard_shape=(300,), dtype="float32", num_shards=4), True),
 }
 
 

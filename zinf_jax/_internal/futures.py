@@ -10,13 +10,20 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Iterable, Sequence
 
-__all__ = ["done_future", "all_of", "is_future", "wait_all"]
+__all__ = ["done_future", "failed_future", "all_of", "is_future", "wait_all"]
 
 
 def done_future(value: Any = None) -> Future:
     """A future that is already resolved with ``value``."""
     f: Future = Future()
     f.set_result(value)
+    return f
+
+
+def failed_future(error: BaseException) -> Future:
+    """A future that has already failed with ``error``."""
+    f: Future = Future()
+    f.set_exception(error)
     return f
 
 

@@ -66,7 +66,8 @@ def describe_tier(tier_dir: Path) -> str:
             b = spec.shard_nbytes * len(v["local"])
             total += b
             rows.append((key, f"{len(v['local'])}/{spec.num_shards}", str(spec.shard_shape), spec.dtype, f"{b:,}",
-                         str(v["slot"]), "yes" if v.get("checksums") is not None else "no"))
+                         str(v["slot"]) + (f" ({v['pack']})" if "pack" in v else ""),
+                         "yes" if v.get("checksums") is not None else "no"))
         meta = {k: v for k, v in man.get("metadata", {}).items()}
         out.append(f"nvme tier {proc.parent}: generation {man['generation']}, {len(man['keys'])} keys, "
                    f"{total:,} committed bytes, metadata {meta}\n" + (_table(rows) if len(rows) > 1 else ""))

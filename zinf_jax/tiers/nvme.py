@@ -1,10 +1,7 @@
-"""The NVMe tier: shards in tensorstore zarr3 arrays on a local disk.
+"""The NVMe tier: shards in tensorstore zarr3 arrays on a local disk, small ones packed into shared files.
 
-The directory layout is described in :mod:`zinf_jax.tiers.nvme_layout`.
-Chunk files of shards of ``direct_min_bytes`` and more are read and written
-by :class:`~zinf_jax.tiers.direct.ChunkIO` (direct I/O, in place, in zarr3's
-own layout), smaller ones by tensorstore; tensorstore creates and validates the
-arrays, and plain tensorstore (or any zarr3 reader) opens them.
+The directory layout is :mod:`zinf_jax.tiers.nvme_layout`'s; the arrays and their chunk files' I/O
+:mod:`zinf_jax.tiers.nvme_arrays`'; the packs :mod:`zinf_jax.tiers.nvme_packs`'.
 
 Updates come in three modes (``update=``, a
 :class:`~zinf_jax.plan.placement.UpdateMode` or its value):
@@ -37,6 +34,10 @@ leaves a *half-updated* tier, and every opener refuses it
 train on mixed state. The main job's ``--resume`` deletes such a directory and
 rebuilds it from the newest checkpoint. Enforced where it is cited by name.
 
+Shards smaller than ``pack_below_bytes`` share files, whole keys at a time
+(see [Note: packed shards] in :mod:`zinf_jax.tiers.nvme_packs`), under the same
+slots, digests and commit.
+
 Integrity (:mod:`zinf_jax.tiers.checksum`): every chunk file's digest is
 computed on the write path, published by the commit in the same manifest that
 names the slot, and verified on every read; a changed, truncated or missing
@@ -48,7 +49,6 @@ committed one.
 """
 from __future__ import annotations
 
-import enum
 import os
 import shutil
 import threading
@@ -60,38 +60,19 @@ import numpy as np
 import tensorstore as ts
 
 from zinf_jax.plan.placement import UpdateMode
-from zinf_jax._internal.futures import all_of
+from zinf_jax._internal.futures import all_of, done_future, failed_future
 from zinf_jax.tiers.base import ByteBudget, ShardSpec, TierDataError, TierError, np_dtype
 from zinf_jax.tiers.checksum import ALGORITHM, ShardSums, damaged, diagnose, digest
-from zinf_jax.tiers.direct import ChunkIO, aligned_empty, chunk_files
+from zinf_jax.tiers.direct import aligned_empty
 from zinf_jax.tiers.keys import KeyRegistry
+from zinf_jax.tiers.nvme_arrays import ChunkFiles, SlotArrays
+from zinf_jax.tiers.nvme_packs import PACK_BELOW_BYTES, PACKS, Pack, PackedKeys
 from zinf_jax.tiers.nvme_layout import (
-    FORMAT, MANIFEST, SlotArrays, check_dir, half_updated, io_error, load_manifest, lock_dir, read_manifest, syncfs,
-    unlock, write_manifest,
+    FORMAT, MANIFEST, Generation, check_dir, half_updated, io_error, load_manifest, lock_dir, read_manifest,
+    syncfs, unlock, write_manifest,
 )
 
-_ChunkFiles = list[tuple[Path, np.ndarray, int]]  # (chunk file, the shard's bytes in it, file size)
-
 __all__ = ["NvmeTier", "Generation", "read_manifest", "MANIFEST"]
-
-
-class Generation(enum.Enum):
-    """Where the tier's next generation stands (one state per open tier)."""
-
-    CLEAN = "clean"
-    """Nothing written since the manifest was read or last replaced: on disk is exactly the committed
-    generation the manifest names (unmarked). Allowed: everything; the first put moves to ``WRITING``."""
-    WRITING = "writing"
-    """Puts of the next generation have started. Double slot: they go to the slots the manifest does not
-    name, the committed generation stays intact on disk. In place: the manifest was marked "in progress"
-    before the first write and the committed slots are being overwritten ([Note: half-updated tier]).
-    Scratch: overwritten, nothing published. Allowed: puts, gets (a shard's newest data: this generation's
-    if written), commit (back to ``CLEAN``). After a failed write, commit and close raise it and drop the
-    generation: double slot deletes its slots (back to ``CLEAN``), in place becomes ``BROKEN``."""
-    BROKEN = "broken"
-    """An in-place generation failed half-way (a write error, then commit or close): the marked manifest
-    stays and the data mixes two steps. Allowed: nothing but close; put, get and commit raise the
-    half-updated error, as every later opener does ([Note: half-updated tier])."""
 
 
 class NvmeTier:
@@ -111,10 +92,12 @@ class NvmeTier:
         (written, synced and read concurrently).
       read_threads: chunk files read at once.
       write_threads: chunk files written at once.
-      direct_min_bytes: shards smaller than this are read and written by
-        tensorstore's own (C++) I/O instead: on many small files the per-file
-        Python work of the direct path, contending with the training loop for
-        the GIL, cost more than the copy (the 8-device demo job ran 35% slower).
+      direct_min_bytes: unpacked shards smaller than this are read and written by tensorstore's own
+        (C++) I/O instead: per-file Python work of the direct path, contending with the training loop
+        for the GIL, cost more than the copy on many small files (the 8-device demo job: 35% slower).
+      pack_below_bytes: keys of smaller shards are packed, whole keys in files of up to ``chunk_bytes``
+        ([Note: packed shards] in :mod:`zinf_jax.tiers.nvme_packs`); ``0``: none. Keys committed
+        unpacked (a directory written before packing) stay so.
       checksums: compute a digest of every chunk file on write, commit it with
         the data and verify it on every read (default). ``False`` does
         neither (benchmarks only): shards it commits are read unverified.
@@ -146,6 +129,7 @@ class NvmeTier:
         read_threads: int = 4,
         write_threads: int = 4,
         direct_min_bytes: int = 1 << 20,
+        pack_below_bytes: int = PACK_BELOW_BYTES,
         checksums: bool = True,
         update: str | UpdateMode = UpdateMode.DOUBLE_SLOT,
     ):
@@ -172,6 +156,7 @@ class NvmeTier:
             if not mode.durable:  # nothing in it outlives the process that wrote it
                 (self.dir / MANIFEST).unlink(missing_ok=True)
                 shutil.rmtree(self.dir / "data", ignore_errors=True)
+                shutil.rmtree(self.dir / PACKS, ignore_errors=True)
             state = load_manifest(self.dir)
             if state.in_progress is not None:  # See [Note: half-updated tier]
                 raise half_updated(self.dir, state.in_progress)
@@ -185,9 +170,11 @@ class NvmeTier:
         self._sums = ShardSums(state.sums)
         self.budget = ByteBudget(max_in_flight_bytes)
         self._sync_at_commit = sync == "commit"
-        self._io = ChunkIO(read_threads, write_threads, sync=sync in (True, "write"), direct_read=direct_io)
-        self._arrays = SlotArrays(self.dir, chunk_bytes, sync=sync in (True, "write"), direct_io=direct_io)
-        self._direct_min = int(direct_min_bytes)
+        self._arrays = SlotArrays(self.dir, chunk_bytes, sync=sync in (True, "write"), direct_io=direct_io,
+                                  direct_min=direct_min_bytes, read_threads=read_threads, write_threads=write_threads,
+                                  checksums=self._checksums)
+        self._packed = PackedKeys(self.dir, state.packs, below=pack_below_bytes, most=chunk_bytes,
+                                  double=mode.slots == 2, sync=sync in (True, "write"), budget=self.budget)
         self._pending_slot: dict[str, int] = {}
         self._written: dict[str, set[int]] = {}
         self._inflight: dict[tuple[str, int], Future] = {}
@@ -211,6 +198,7 @@ class NvmeTier:
                 "the directory holds another model's state; use an empty path")
 
     def declare(self, key: str, spec: ShardSpec, local_indices: Sequence[int] | None = None) -> None:
+        self._packed.check_local(key, range(spec.num_shards) if local_indices is None else local_indices)
         self._keys.declare(key, spec, local_indices)
 
     def keys(self) -> list[str]:
@@ -232,7 +220,7 @@ class NvmeTier:
         where = f"{key!r}" + ("" if index is None else f" shard {index}")
         return io_error(e, what, where, self.dir, self._generation, file)
 
-    def _read_error(self, e: Exception | None, key: str, index: int, slot: int, files: _ChunkFiles,
+    def _read_error(self, e: Exception | None, key: str, index: int, slot: int, files: ChunkFiles,
                     want: Sequence[str] | None = None, got: Sequence[str] | None = None) -> TierError:
         """A failed or unverified read: what is damaged (naming the file), else the I/O error ``e``."""
         what = diagnose(self._arrays.slot_dir(key, slot), [(p, n) for p, _, n in files], want, got, e is None)
@@ -298,14 +286,10 @@ class NvmeTier:
             arr = arr.copy(order="C")
         if arr.shape != spec.shard_shape:
             raise TierError(f"nvme tier: shard of {key!r} has shape {arr.shape}, declared {spec.shard_shape}")
-        first = self._state is Generation.CLEAN
-        if self.update is UpdateMode.IN_PLACE and first:
-            self._mark_in_progress()  # See [Note: half-updated tier]
-        with self._lock:
-            if self._state is Generation.CLEAN:
-                self._state = Generation.WRITING
-        if first:
-            self._create_new_arrays()
+        self._begin_writing()
+        pack = self._packed.claim(key, spec, self._keys.local_indices(key), unpacked=key in self._slot)
+        if pack is not None:
+            return self._put_packed(pack, key, index, arr)
         with self._lock:
             double = self.update.slots == 2
             fresh = 1 - self._slot.get(key, 1)
@@ -320,12 +304,10 @@ class NvmeTier:
             with self._lock:
                 self._failed.append(err)
             raise
-        files = self._chunk_files(key, slot, index, h, arr)
-        small = spec.shard_nbytes < self._direct_min
-        sums = [digest(d) for _, d, _ in files] if small and self._checksums else None
+        files = self._arrays.chunk_files(key, slot, index, h, arr)
         self.budget.acquire(arr.nbytes)
         try:
-            parts = [h[index].write(arr).commit] if small else self._write_chunks(files)
+            parts, sums = self._arrays.write(h, index, arr, files)
         except Exception as e:
             self.budget.release(arr.nbytes)
             err = self._error(e, "writing", key, index, files[0][0])
@@ -343,29 +325,48 @@ class NvmeTier:
             self._inflight[(key, index)] = fut
         return fut
 
-    def _create_new_arrays(self) -> None:
-        """At a generation's first put: creates at once the arrays of every declared key that has none yet (a
-        new tier's first generation writes every key into its slot 0). A failure here is left to the puts,
-        which create one at a time and report it for their own key."""
+    def _begin_writing(self) -> None:
+        """Before a put: a clean tier starts a generation (in place: the manifest is marked first)."""
+        first = self._state is Generation.CLEAN
+        if self.update is UpdateMode.IN_PLACE and first:
+            self._mark_in_progress()  # See [Note: half-updated tier]
         with self._lock:
-            new = [(key, self._keys.spec(key), 0) for key in self._keys.keys() if key not in self._slot]
+            if self._state is Generation.CLEAN:
+                self._state = Generation.WRITING
+        if first:
+            self._create_new_arrays()
+
+    def _create_new_arrays(self) -> None:
+        """At a generation's first put: packs the declared small keys that have no place yet and creates at
+        once the arrays of the other keys that have none (a new tier's first generation writes every key
+        into its slot 0). A failure here is left to the puts, which create one at a time and report it for
+        their own key."""
+        with self._lock:
+            new = [key for key in self._keys.keys() if key not in self._slot and self._packed.of(key) is None]
+        self._packed.add([(k, self._keys.spec(k), self._keys.local_indices(k)) for k in new
+                          if self._packed.packable(self._keys.spec(k))])
+        arrays = [(key, self._keys.spec(key), 0) for key in new if self._packed.of(key) is None]
         try:
-            self._arrays.create_many(new)
+            self._arrays.create_many(arrays)
         except Exception:  # noqa: BLE001 - each put creates its own array again and names its key
             pass
 
-    def _chunk_files(self, key: str, slot: int, index: int, h: ts.TensorStore, arr: np.ndarray) -> _ChunkFiles:
-        """``(file, bytes of arr, padded file size)`` per chunk of shard ``index``, as the array was created."""
-        chunk = list(h.chunk_layout.write_chunk.shape)[1:]
-        return chunk_files(self._arrays.slot_dir(key, slot) / "c" / str(index), arr, chunk)
-
-    def _write_chunks(self, files: _ChunkFiles) -> list[Future]:
-        hash_ = digest if self._checksums else None
-        futs = []
-        for path, data, padded in files:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            futs.append(self._io.write(path, data, padded, digest=hash_))
-        return futs
+    def _put_packed(self, pack: Pack, key: str, index: int, arr: np.ndarray) -> Future:
+        """:meth:`put` of a packed shard: one positional write into the pack's file of this generation's slot."""
+        try:
+            slot = self._packed.write(pack, key, index, arr)
+        except OSError as e:
+            err = self._error(e, "writing", key, index)
+            with self._lock:
+                self._failed.append(err)
+            raise err from e
+        with self._lock:
+            self._pending_slot[key] = slot
+            self._written.setdefault(key, set()).add(index)
+            self.bytes_written += arr.nbytes
+        if self._checksums:  # recorded before put returns: a read of it verifies
+            self._sums.record(key, index, [digest(arr)])
+        return done_future()
 
     def _read_slot(self, key: str, index: int) -> tuple[int, list[str] | None]:
         """The slot holding the newest data of a shard, and its stored digests (waits for its write)."""
@@ -385,10 +386,6 @@ class NvmeTier:
     def get(self, key: str, index: int, *, out: np.ndarray | None = None) -> Future:
         spec = self._check(key, index)
         slot, want = self._read_slot(key, index)
-        try:
-            h = self._array(key, slot)
-        except TierError as e:
-            raise self._read_error(e, key, index, slot, []) from e
         dtype = np_dtype(spec.dtype)
         if out is None:  # page-aligned, so direct reads land in it without a copy
             out = aligned_empty(spec.shard_nbytes).view(dtype).reshape(spec.shard_shape)
@@ -397,16 +394,19 @@ class NvmeTier:
                 f"nvme tier: out for {key!r} must be a C-contiguous {spec.dtype} array of shape "
                 f"{spec.shard_shape}, got {out.dtype} {out.shape}"
             )
-        files = self._chunk_files(key, slot, index, h, out)
-        small = spec.shard_nbytes < self._direct_min
+        pack = self._packed.of(key)
+        if pack is not None:
+            return self._get_packed(pack, slot, key, index, out, want)
+        try:
+            h = self._array(key, slot)
+        except TierError as e:
+            raise self._read_error(e, key, index, slot, []) from e
+        files = self._arrays.chunk_files(key, slot, index, h, out)
         self.budget.acquire(spec.shard_nbytes)
         with self._lock:
             self.bytes_read += spec.shard_nbytes
-        try:
-            if small:
-                parts = [ts.array(out, copy=False, write=True).write(h[index]).commit]
-            else:  # with digests to check, each reading thread hashes its chunk
-                parts = [self._io.read(path, data, digest=digest if want else None) for path, data, _ in files]
+        try:  # (with digests to check, ChunkIO's reading threads hash their chunks)
+            parts, digests_of = self._arrays.read(h, index, out, files, verify=want is not None)
         except Exception as e:
             self.budget.release(spec.shard_nbytes)
             raise self._error(e, "reading", key, index) from e
@@ -417,12 +417,23 @@ class NvmeTier:
             except Exception as e:
                 raise self._read_error(e, key, index, slot, files) from e
             if want is not None:
-                sums = [digest(d) for _, d, _ in files] if small else got
+                sums = digests_of(got)
                 if sums != want:
                     raise self._read_error(None, key, index, slot, files, want, sums)
             return out
 
         return self._track(parts, spec.shard_nbytes, "reading", key, index, finish)
+
+    def _get_packed(self, pack: Pack, slot: int, key: str, index: int, out: np.ndarray,
+                    want: Sequence[str] | None) -> Future:
+        """:meth:`get` of a packed shard: one positional read from its pack's file, verified."""
+        with self._lock:
+            self.bytes_read += out.nbytes
+        try:
+            what = self._packed.read(pack, slot, key, index, out, want)
+        except OSError as e:
+            return failed_future(self._error(e, "reading", key, index))
+        return failed_future(damaged(self.dir, self._generation, key, index, what)) if what else done_future(out)
 
     # --- commit -------------------------------------------------------------
     def wait(self) -> None:
@@ -450,13 +461,14 @@ class NvmeTier:
             raise self._half_updated()
         try:
             self.wait()  # raises the write errors of a WRITING generation
-            for key, written in self._written.items() if self.update.durable else ():
+            for key, written in self._to_complete().items():
                 missing = [i for i in self._keys.local_indices(key) if i not in written]
                 if missing and key not in self._slot:
                     raise TierError(f"nvme tier: {key!r} shards {missing} were never written; write every local shard")
                 for i in missing if self.update.slots == 2 else ():  # in place: they are there already
                     self.put(key, i, self.get(key, i).result())
             self.wait()
+            self._packed.files.flush()
             if self._sync_at_commit and self._written:
                 syncfs(self.dir)
         except TierError:
@@ -466,7 +478,9 @@ class NvmeTier:
             self._abort()
             raise self._error(e, "flushing", "data", None) from e
         slots = {**self._slot, **self._pending_slot}
-        man = self._manifest(slots, self._generation + 1, dict(self._meta if metadata is None else metadata))
+        pack_slots = self._packed.slots()
+        man = self._manifest(slots, pack_slots, self._generation + 1,
+                             dict(self._meta if metadata is None else metadata))
         if self.update.durable:
             try:
                 write_manifest(self.dir, man)  # unmarked: See [Note: half-updated tier]
@@ -477,14 +491,30 @@ class NvmeTier:
         self._sums.publish(self._pending_slot)
         self._generation += 1
         self._slot = slots
+        self._packed.publish()
         self._meta = man["metadata"]
         self._pending_slot.clear()
         self._written.clear()
         self._inflight.clear()
 
-    def _manifest(self, slots: Mapping[str, int], generation: int, metadata: Mapping[str, Any]) -> dict[str, Any]:
-        return {"format": FORMAT, "checksum": ALGORITHM, "generation": generation,
-                "keys": {k: self._manifest_entry(k, slots[k]) for k in slots}, "metadata": dict(metadata)}
+    def _to_complete(self) -> dict[str, set[int]]:
+        """The keys a commit must find complete in their new slot, with the shards this generation wrote: the
+        keys written, and (double slot) every committed key of a pack written (its file is new)."""
+        if not self.update.durable:
+            return {}
+        todo = {k: set(v) for k, v in self._written.items()}
+        for key in self._packed.companions():
+            if key in self._slot:
+                todo.setdefault(key, set())
+        return todo
+
+    def _manifest(self, slots: Mapping[str, int], pack_slots: Mapping[str, int], generation: int,
+                  metadata: Mapping[str, Any]) -> dict[str, Any]:
+        man = {"format": FORMAT, "checksum": ALGORITHM, "generation": generation,
+               "keys": {k: self._manifest_entry(k, slots[k]) for k in slots}, "metadata": dict(metadata)}
+        if pack_slots:
+            man["packs"] = self._packed.manifest(pack_slots)
+        return man
 
     def _mark_in_progress(self) -> None:
         """Announces an in-place generation in the manifest, durably, before its first write.
@@ -496,7 +526,7 @@ class NvmeTier:
         with self._lock:
             if self._state is not Generation.CLEAN:
                 return
-            man = self._manifest(dict(self._slot), self._generation, self._meta)
+            man = self._manifest(dict(self._slot), self._packed.slots(pending=False), self._generation, self._meta)
             man["in_progress"] = {"generation": self._generation + 1, "metadata": self._meta}
             try:
                 write_manifest(self.dir, man)
@@ -507,6 +537,8 @@ class NvmeTier:
     def _manifest_entry(self, key: str, slot: int) -> dict[str, Any]:
         local = self._keys.local_indices(key)
         entry = {"slot": slot, "spec": self._keys.spec(key).to_json(), "local": local}
+        if self._packed.name_of(key) is not None:
+            entry["pack"] = self._packed.name_of(key)
         sums = self._sums.manifest_entry(key, local, rewritten=key in self._pending_slot)
         if sums is not None:  # the digests of exactly the data in ``slot``
             entry["checksums"] = sums
@@ -531,13 +563,15 @@ class NvmeTier:
             self._inflight.clear()
             self._failed.clear()
         self._sums.drop_pending()
+        self._packed.abort()
         if self.update.slots == 1:  # the slot written is the committed one: it stays (half-updated, marked)
             marked = self.update is UpdateMode.IN_PLACE and self._state is Generation.WRITING
             self._state = Generation.BROKEN if marked else Generation.CLEAN  # See [Note: half-updated tier]
             return
         self._state = Generation.CLEAN
         for key, slot in dead.items():
-            self._arrays.delete(key, slot)
+            if self._packed.of(key) is None:
+                self._arrays.delete(key, slot)
 
     def metadata(self) -> dict[str, Any]:
         return dict(self._meta)
@@ -560,5 +594,6 @@ class NvmeTier:
             self._abort()  # a generation with a failed write can never commit: free its files now
             raise
         finally:
-            self._io.close()
+            self._arrays.close()
+            self._packed.files.close()
             unlock(self._lockf)

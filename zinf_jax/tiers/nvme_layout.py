@@ -9,6 +9,8 @@ host's disk)::
     path/process_<p>/data/<key>/s0   zarr3 array (num_shards, *shard_shape), chunk = one shard
                                      (cut along leading dims into pieces of <= chunk_bytes)
     path/process_<p>/data/<key>/s1   the other slot
+    path/process_<p>/packs/<name>.s<slot>  small shards of several keys in one file (see
+                                     [Note: packed shards] in :mod:`zinf_jax.tiers.nvme_packs`)
 
 The manifest is only ever replaced whole (:func:`write_manifest`: write, fsync,
 rename, fsync the directory), so it always names one complete generation, with
@@ -22,30 +24,53 @@ naming the file, never a bare decode error.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import errno
 import fcntl
 import json
 import math
 import os
 import re
-import shutil
 import threading
 from pathlib import Path
 from typing import IO, Any, Mapping, Sequence
 
 import numpy as np
-import tensorstore as ts
 
 from zinf_jax._internal.fs import replace_json
-from zinf_jax.tiers.base import ShardSpec, TierDataError, TierError, np_dtype
+from zinf_jax.tiers.base import ShardSpec, TierDataError, TierError
 from zinf_jax.tiers.checksum import ALGORITHM
-from zinf_jax.tiers.direct import ALIGN, ZARR3_CODECS, ZARR3_KEY_ENCODING
+from zinf_jax.tiers.direct import ALIGN
+from zinf_jax.tiers.nvme_packs import Pack
 
-__all__ = ["MANIFEST", "FORMAT", "Committed", "read_manifest", "load_manifest", "lock_dir", "unlock", "SlotArrays",
+__all__ = ["MANIFEST", "FORMAT", "Committed", "Generation", "read_manifest", "load_manifest", "lock_dir", "unlock",
            "io_error", "write_manifest", "half_updated", "check_dir", "chunk_shape", "syncfs", "key_dir"]
 
 MANIFEST = "MANIFEST.json"
-FORMAT = "zinf_jax.nvme/1"
+FORMAT = "zinf_jax.nvme/2"
+"""Written in new manifests; ``/2`` added packs (``packs`` and a packed key's ``pack``)."""
+FORMATS = ("zinf_jax.nvme/1", FORMAT)
+"""The manifest formats this version reads."""
+
+
+class Generation(enum.Enum):
+    """Where the tier's next generation stands (one state per open tier)."""
+
+    CLEAN = "clean"
+    """Nothing written since the manifest was read or last replaced: on disk is exactly the committed
+    generation the manifest names (unmarked). Allowed: everything; the first put moves to ``WRITING``."""
+    WRITING = "writing"
+    """Puts of the next generation have started. Double slot: they go to the slots the manifest does not
+    name, the committed generation stays intact on disk. In place: the manifest was marked "in progress"
+    before the first write and the committed slots are being overwritten ([Note: half-updated tier] in
+    :mod:`zinf_jax.tiers.nvme`).
+    Scratch: overwritten, nothing published. Allowed: puts, gets (a shard's newest data: this generation's
+    if written), commit (back to ``CLEAN``). After a failed write, commit and close raise it and drop the
+    generation: double slot deletes its slots (back to ``CLEAN``), in place becomes ``BROKEN``."""
+    BROKEN = "broken"
+    """An in-place generation failed half-way (a write error, then commit or close): the marked manifest
+    stays and the data mixes two steps. Allowed: nothing but close; put, get and commit raise the
+    half-updated error, as every later opener does ([Note: half-updated tier] in :mod:`zinf_jax.tiers.nvme`)."""
 
 
 @dataclasses.dataclass
@@ -61,6 +86,8 @@ class Committed:
     """The committed slot (0 or 1) of each key."""
     sums: dict[str, dict[int, list[str]]]
     """Digests of each shard's chunk files, for the keys committed with checksums."""
+    packs: dict[str, tuple[Pack, int]] = dataclasses.field(default_factory=dict)
+    """The committed packs: their layout and slot."""
     in_progress: dict[str, Any] | None = None
     """Set while an in-place generation is being written: the data may be half-updated (see
     [Note: half-updated tier] in :mod:`zinf_jax.tiers.nvme`)."""
@@ -84,6 +111,15 @@ def _check_manifest(man: Any) -> None:
         raise ValueError("'in_progress' is not an object")
     if man.get("checksum", ALGORITHM) != ALGORITHM:
         raise ValueError(f"checksums of kind {man['checksum']!r}, this version reads {ALGORITHM!r}")
+    if man.get("format", FORMAT) not in FORMATS:
+        raise ValueError(f"format {man['format']!r}; this version of zinf_jax reads {FORMATS}")
+    packs = man.get("packs", {})
+    if not isinstance(packs, dict):
+        raise ValueError("'packs' is not an object")
+    for name, v in packs.items():
+        if not isinstance(v, dict) or v.get("slot") not in (0, 1):
+            raise ValueError(f"pack {name!r} has no slot 0/1")
+        Pack.from_json(name, v)
     for key, v in man["keys"].items():
         if not isinstance(v, dict) or v.get("slot") not in (0, 1) or not isinstance(v.get("local"), list):
             raise ValueError(f"entry of key {key!r} has no slot 0/1 or no local shard list")
@@ -91,6 +127,8 @@ def _check_manifest(man: Any) -> None:
         if sums is not None and (not isinstance(sums, dict) or {str(i) for i in v["local"]} != set(sums)):
             raise ValueError(f"checksums of key {key!r} do not list its local shards")
         ShardSpec.from_json(v["spec"])
+        if "pack" in v and (v["pack"] not in packs or packs[v["pack"]]["slot"] != v["slot"]):
+            raise ValueError(f"key {key!r} names pack {v['pack']!r}, which is not listed with its slot")
 
 
 def read_manifest(process_dir: str | os.PathLike) -> dict[str, Any]:
@@ -126,6 +164,7 @@ def load_manifest(process_dir: Path) -> Committed:
         local={k: [int(i) for i in v["local"]] for k, v in keys.items()},
         slot={k: int(v["slot"]) for k, v in keys.items()},
         sums={k: {int(i): list(d) for i, d in v["checksums"].items()} for k, v in keys.items() if v.get("checksums")},
+        packs={n: (Pack.from_json(n, v), int(v["slot"])) for n, v in man.get("packs", {}).items()},
         in_progress=man.get("in_progress"),
     )
 
@@ -236,88 +275,6 @@ def unlock(f: IO[str]) -> None:
     """Releases a lock taken by :func:`lock_dir`."""
     fcntl.flock(f, fcntl.LOCK_UN)
     f.close()
-
-
-class SlotArrays:
-    """The tensorstore ``zarr3`` arrays of a process directory's slots, opened once and kept.
-
-    Args:
-      process_dir: the process directory.
-      chunk_bytes: chunk size limit of newly created arrays.
-      sync: tensorstore fsyncs what it writes.
-      direct_io: tensorstore reads with ``O_DIRECT``.
-    """
-
-    def __init__(self, process_dir: Path, chunk_bytes: int, *, sync: bool, direct_io: bool):
-        self.dir = process_dir
-        self._chunk_bytes = int(chunk_bytes)
-        ctx: dict[str, Any] = {"cache_pool": {"total_bytes_limit": 0}, "file_io_sync": sync,
-                               "file_io_concurrency": {"limit": 32}}
-        if direct_io:
-            ctx["file_io_mode"] = {"mode": "direct"}
-        self._ctx = ts.Context(ctx)
-        self._handles: dict[tuple[str, int], ts.TensorStore] = {}
-
-    def slot_dir(self, key: str, slot: int) -> Path:
-        """The array directory of one slot of ``key``."""
-        return self.dir / "data" / key_dir(key) / f"s{slot}"
-
-    def has(self, key: str, slot: int) -> bool:
-        """Whether the array of this slot is open."""
-        return (key, slot) in self._handles
-
-    def open(self, key: str, spec: ShardSpec, slot: int, *, fresh: bool = False) -> ts.TensorStore:
-        """The array of a slot; ``fresh`` (an uncommitted slot): reuse its files if the layout matches, else start over.
-
-        Raises:
-          ValueError, OSError: tensorstore's errors (a missing array, a full disk).
-        """
-        h = self._handles.get((key, slot))
-        if h is not None:
-            return h
-        ts_spec = self._ts_spec(key, spec, slot, new=fresh)  # an existing array keeps the chunking it was made with
-        try:
-            h = ts.open(ts_spec, open=True, context=self._ctx).result()
-        except ValueError:
-            if not fresh:
-                raise
-            h = ts.open(ts_spec, create=True, delete_existing=True, context=self._ctx).result()
-        self._handles[(key, slot)] = h
-        return h
-
-    def create_many(self, items: Sequence[tuple[str, ShardSpec, int]]) -> None:
-        """Creates the arrays of ``(key, spec, slot)`` that are neither open nor on disk, all at once.
-
-        Each creation writes (and with ``sync``, fsyncs) the array's metadata; one after another behind a
-        step's data writes they cost ~9 ms each (the 0.40B GPT: 450 arrays, 3.9 s of a 9 s init), issued
-        together ~0.3 ms. An array that exists is left to :meth:`open`, which checks its layout.
-
-        Raises:
-          ValueError, OSError: tensorstore's errors (a full disk).
-        """
-        todo = [(key, spec, slot) for key, spec, slot in items
-                if (key, slot) not in self._handles and not self.slot_dir(key, slot).exists()]
-        futures = []
-        for key, spec, slot in todo:
-            futures.append(ts.open(self._ts_spec(key, spec, slot, new=True), create=True, context=self._ctx))
-        for (key, _, slot), fut in zip(todo, futures):
-            self._handles[(key, slot)] = fut.result()
-
-    def _ts_spec(self, key: str, spec: ShardSpec, slot: int, *, new: bool) -> dict[str, Any]:
-        """The tensorstore spec of a slot's array; ``new``: with the chunking and codecs an array is created with."""
-        meta: dict[str, Any] = {"shape": [spec.num_shards, *spec.shard_shape], "data_type": spec.dtype}
-        if new:
-            chunk = chunk_shape(spec.shard_shape, np.dtype(np_dtype(spec.dtype)).itemsize, self._chunk_bytes)
-            meta["chunk_grid"] = {"name": "regular", "configuration": {"chunk_shape": [1, *chunk]}}
-            meta["chunk_key_encoding"] = ZARR3_KEY_ENCODING
-            meta["codecs"] = ZARR3_CODECS
-        return {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(self.slot_dir(key, slot))},
-                "metadata": meta}
-
-    def delete(self, key: str, slot: int) -> None:
-        """Forgets a slot's array and deletes its files (only ever an uncommitted slot)."""
-        self._handles.pop((key, slot), None)
-        shutil.rmtree(self.slot_dir(key, slot), ignore_errors=True)
 
 
 def io_error(e: BaseException, what: str, where: str, process_dir: Path, generation: int,
