@@ -9,6 +9,7 @@ writer packs its small keys; a full disk during a packed write is ``test_nvme_in
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import ml_dtypes
@@ -238,4 +239,31 @@ def test_packs_hold_whole_keys_up_to_chunk_bytes(tmp_path):
         "w0": "p0", "w1": "p0", "w2": "p1", "w3": "p1", "w4": "p2", "big": None}  # 2 keys (16 KiB) a pack
     assert _packs(tmp_path) == ["p0.s0", "p1.s0", "p2.s0"]
     assert tier.get("w3", 1).result().tolist() == [31.0] * 1000
+    tier.close()
+
+
+def test_a_whole_pack_is_synced_in_the_background_and_the_rest_at_commit(tmp_path, monkeypatch):
+    synced: list[tuple[str, str]] = []  # (file, thread)
+    real = os.fdatasync
+
+    def fdatasync(fd: int) -> None:
+        synced.append((os.readlink(f"/proc/self/fd/{fd}").rsplit("/", 1)[-1], threading.current_thread().name))
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    spec = ShardSpec(shard_shape=(1000,), dtype="float32", num_shards=2)
+    tier = NvmeTier(tmp_path, process_index=0, chunk_bytes=20 << 10, update="in_place")  # p0: a, b; p1: c
+    for k in "abc":
+        tier.declare(k, spec)
+    for k in "abc":
+        for i in range(2):
+            tier.put(k, i, np.full(1000, i, np.float32)).result()
+    tier.commit()
+    # each file was complete after its last member's put: synced by the background thread, once
+    assert sorted(f for f, _ in synced) == ["p0.s0", "p1.s0"]
+    assert all(t.startswith("zinf-nvme-pack-sync") for _, t in synced), synced
+    synced.clear()
+    tier.put("a", 0, np.ones(1000, np.float32)).result()  # in place, part of p0: synced by the commit itself
+    tier.commit()
+    assert synced == [("p0.s0", threading.current_thread().name)], synced
     tier.close()

@@ -26,8 +26,9 @@ def fsync_dir(path: str | os.PathLike) -> None:
 
 def write_json(path: str | os.PathLike, data: Any, *, indent: int | None = None) -> None:
     """Writes ``data`` as JSON (non-JSON values as ``str``) and fsyncs the file."""
+    text = json.dumps(data, indent=indent, default=str)  # json.dump always takes the pure-Python encoder: 10x slower
     with open(path, "w") as f:
-        json.dump(data, f, indent=indent, default=str)
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
 

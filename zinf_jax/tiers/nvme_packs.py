@@ -26,6 +26,7 @@ import dataclasses
 import errno
 import os
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -117,9 +118,13 @@ def plan_packs(keys: Sequence[tuple[str, ShardSpec, Sequence[int]]], most: int, 
 class PackFiles:
     """The open pack files of one process directory: one descriptor per pack and slot, positional I/O.
 
+    With ``sync``, a file whose every member has been written since the last flush is ``fdatasync``-ed
+    at once by a background thread (the optimizer writes packs in order: the disk syncs one while the
+    next is computed); :meth:`flush` waits for those and syncs the rest.
+
     Args:
       process_dir: the process directory (the files live in its ``packs/``).
-      sync: :meth:`flush` ``fdatasync``-s the files written since the last flush.
+      sync: :meth:`flush` makes the files written since the last flush durable.
     """
 
     def __init__(self, process_dir: Path, *, sync: bool):
@@ -127,6 +132,9 @@ class PackFiles:
         self._sync = sync
         self._fds: dict[tuple[str, int], int] = {}
         self._dirty: set[tuple[str, int]] = set()
+        self._written: dict[tuple[str, int], set[tuple[str, int]]] = {}  # members written since the last flush
+        self._syncing: list[tuple[tuple[str, int], Future]] = []
+        self._syncer = ThreadPoolExecutor(1, thread_name_prefix="zinf-nvme-pack-sync") if sync else None
         self._created = False
         self._lock = threading.Lock()
 
@@ -162,16 +170,23 @@ class PackFiles:
           OSError: the file could not be made or written (``filename`` names it).
         """
         off, n = pack.members[(key, index)]
+        name = (pack.name, slot)
         try:
             fd = self._fd(pack, slot, create=True)
-            if (pack.name, slot) not in self._dirty:
-                with self._lock:
-                    self._dirty.add((pack.name, slot))
             mv, done = memoryview(data.reshape(-1).view(np.uint8)), 0
             while done < n:
                 done += os.pwrite(fd, mv[done:], off + done)
         except OSError as e:
-            raise OSError(e.errno, e.strerror, str(self.path(pack.name, slot))) from e
+            raise OSError(e.errno, e.strerror, str(self.path(*name))) from e
+        with self._lock:
+            written = self._written.setdefault(name, set())
+            whole = len(written) < len(pack.members) and len(written | {(key, index)}) == len(pack.members)
+            written.add((key, index))
+            if whole and self._syncer is not None:  # complete: synced behind the next writes
+                self._syncing.append((name, self._syncer.submit(os.fdatasync, fd)))
+                self._dirty.discard(name)
+            else:
+                self._dirty.add(name)
 
     def read(self, pack: Pack, slot: int, key: str, index: int, out: np.ndarray) -> int:
         """Reads one shard into ``out`` (C-contiguous); returns the bytes read (fewer: the file is short).
@@ -201,9 +216,15 @@ class PackFiles:
         with self._lock:
             dirty = [(k, self._fds[k]) for k in self._dirty if k in self._fds]
             created, self._created = self._created, False
+            syncing, self._syncing = self._syncing, []
             self._dirty.clear()
+            self._written.clear()
         if not self._sync:
             return
+        for (name, slot), fut in syncing:
+            if fut.exception() is not None:
+                e = fut.exception()
+                raise OSError(e.errno, e.strerror, str(self.path(name, slot))) from e
         for (name, slot), fd in dirty:
             try:
                 os.fdatasync(fd)
@@ -216,13 +237,23 @@ class PackFiles:
             finally:
                 os.close(fd)
 
+    def _settle(self) -> None:
+        """Waits for the background syncs (before their descriptors close); their errors do not matter then."""
+        with self._lock:
+            syncing, self._syncing = self._syncing, []
+        for _, fut in syncing:
+            fut.exception()
+
     def forget(self) -> None:
         """Drops the record of unflushed writes (their generation was aborted)."""
+        self._settle()
         with self._lock:
             self._dirty.clear()
+            self._written.clear()
 
     def delete(self, names: Iterable[tuple[str, int]]) -> None:
         """Closes and deletes the files of ``(pack, slot)`` (only ever slots no manifest names)."""
+        self._settle()
         for name, slot in names:
             with self._lock:
                 fd = self._fds.pop((name, slot), None)
@@ -232,7 +263,10 @@ class PackFiles:
             self.path(name, slot).unlink(missing_ok=True)
 
     def close(self) -> None:
-        """Closes every descriptor."""
+        """Waits for the background syncs and closes every descriptor."""
+        self._settle()
+        if self._syncer is not None:
+            self._syncer.shutdown(wait=True)
         with self._lock:
             fds, self._fds = list(self._fds.values()), {}
         for fd in fds:
