@@ -45,6 +45,7 @@ class KeyRegistry:
         if set(self._specs) != set(self._local):
             raise ValueError("KeyRegistry: specs and local must name the same keys")
         self._conflict: Conflict = conflict or self._already_declared
+        self._held: dict[str, frozenset[int]] = {}  # local indices as sets, made on first use
 
     def _already_declared(self, key: str, old: ShardSpec, new: ShardSpec) -> str:
         return f"{self.kind} tier: key {key!r} already declared as {old}, not {new}"
@@ -65,6 +66,7 @@ class KeyRegistry:
             raise TierError(self._conflict(key, old, spec))
         self._specs[key] = spec
         self._local[key] = sorted(range(spec.num_shards) if local_indices is None else local_indices)
+        self._held.pop(key, None)
 
     def keys(self) -> list[str]:
         """Declared keys, in declaration order."""
@@ -80,6 +82,18 @@ class KeyRegistry:
             return self._specs[key]
         except KeyError:
             raise TierError(f"{self.kind} tier: unknown key {key!r}; declare it first") from None
+
+    def holds(self, key: str, index: int) -> bool:
+        """Whether shard ``index`` of ``key`` is stored by this process (no copy: every transfer asks).
+
+        Raises:
+          TierError: ``key`` was never declared.
+        """
+        held = self._held.get(key)
+        if held is None:
+            self.spec(key)
+            held = self._held[key] = frozenset(self._local[key])
+        return index in held
 
     def local_indices(self, key: str) -> list[int]:
         """Shard indices of ``key`` stored by this process (a copy).

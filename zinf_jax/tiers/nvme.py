@@ -1,7 +1,7 @@
 """The NVMe tier: shards in tensorstore zarr3 arrays on a local disk, small ones packed into shared files.
 
-The directory layout is :mod:`zinf_jax.tiers.nvme_layout`'s; the arrays and their chunk files' I/O
-:mod:`zinf_jax.tiers.nvme_arrays`'; the packs :mod:`zinf_jax.tiers.nvme_packs`'.
+The directory layout: :mod:`zinf_jax.tiers.nvme_layout`; the arrays and their chunk files' I/O:
+:mod:`zinf_jax.tiers.nvme_arrays`; the packs: :mod:`zinf_jax.tiers.nvme_packs`.
 
 Updates come in three modes (``update=``, a
 :class:`~zinf_jax.plan.placement.UpdateMode` or its value):
@@ -73,6 +73,7 @@ from zinf_jax.tiers.nvme_layout import (
 )
 
 __all__ = ["NvmeTier", "Generation", "read_manifest", "MANIFEST"]
+_WRITTEN = done_future()  # what a packed put returns (resolved, no value: one shared future will do)
 
 
 class NvmeTier:
@@ -268,9 +269,9 @@ class NvmeTier:
         if self._state is Generation.BROKEN:  # See [Note: half-updated tier]
             raise self._half_updated()
         spec = self.spec(key)
-        local = self._keys.local_indices(key)
-        if index not in local:
-            raise TierError(f"nvme tier: shard {index} of {key!r} is not stored by this process ({local})")
+        if not self._keys.holds(key, index):
+            raise TierError(f"nvme tier: shard {index} of {key!r} is not stored by this process "
+                            f"({self._keys.local_indices(key)})")
         return spec
 
     def put_many(self, items: Sequence[tuple[str, int, Any]]) -> list[Future]:
@@ -366,7 +367,7 @@ class NvmeTier:
             self.bytes_written += arr.nbytes
         if self._checksums:  # recorded before put returns: a read of it verifies
             self._sums.record(key, index, [digest(arr)])
-        return done_future()
+        return _WRITTEN
 
     def _read_slot(self, key: str, index: int) -> tuple[int, list[str] | None]:
         """The slot holding the newest data of a shard, and its stored digests (waits for its write)."""

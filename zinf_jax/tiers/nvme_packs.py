@@ -180,8 +180,9 @@ class PackFiles:
             raise OSError(e.errno, e.strerror, str(self.path(*name))) from e
         with self._lock:
             written = self._written.setdefault(name, set())
-            whole = len(written) < len(pack.members) and len(written | {(key, index)}) == len(pack.members)
+            new = (key, index) not in written
             written.add((key, index))
+            whole = new and len(written) == len(pack.members)
             if whole and self._syncer is not None:  # complete: synced behind the next writes
                 self._syncing.append((name, self._syncer.submit(os.fdatasync, fd)))
                 self._dirty.discard(name)
@@ -357,20 +358,20 @@ class PackedKeys:
         Raises:
           OSError: the file could not be read (naming it).
         """
-        path = self.files.path(pack.name, slot)
         self._budget.acquire(out.nbytes)
         try:
             got = self.files.read(pack, slot, key, index, out)
         except FileNotFoundError:
-            return f"pack file {str(path)!r} is missing"
+            return f"pack file {str(self.files.path(pack.name, slot))!r} is missing"
         finally:
             self._budget.release(out.nbytes)
+        if got == out.nbytes and (want is None or [digest(out)] == list(want)):
+            return None
+        path = self.files.path(pack.name, slot)
         if got < out.nbytes:
             return f"pack file {str(path)!r} has {path.stat().st_size} bytes, its pack needs {pack.size}"
-        if want is not None and [digest(out)] != list(want):
-            return (f"pack file {str(path)!r} does not match its checksum ({ALGORITHM} stored {want[0]}, read "
-                    f"{digest(out)}) in the shard's bytes at offset {pack.members[(key, index)][0]}")
-        return None
+        return (f"pack file {str(path)!r} does not match its checksum ({ALGORITHM} stored {want[0]}, read "
+                f"{digest(out)}) in the shard's bytes at offset {pack.members[(key, index)][0]}")
 
     def companions(self) -> list[str]:
         """Double slot: the keys of the packs this generation writes (their new file must be completed)."""
