@@ -46,6 +46,14 @@ def _write(tier: NvmeTier, gen: int, keys=SPECS, indices=range(3)) -> None:
             tier.put(key, i, _value(gen, key, i)).result()
 
 
+def _committed(path: Path, **kw) -> NvmeTier:
+    """A tier with generation 1 of every key of ``SPECS`` committed."""
+    tier = _open(path, **kw)
+    _write(tier, gen=1)
+    tier.commit({"step": 1})
+    return tier
+
+
 def _check(tier: NvmeTier, want: dict[tuple[str, int], int]) -> None:
     """Every shard reads back bitwise as the generation ``want`` names for it."""
     for (key, i), gen in want.items():
@@ -58,9 +66,7 @@ def _packs(tier_dir: Path) -> list[str]:
 
 @pytest.mark.parametrize("update", ["double_slot", "in_place"])
 def test_small_keys_share_one_file_and_read_back_bitwise(tmp_path, update):
-    tier = _open(tmp_path, update=update)
-    _write(tier, gen=1)
-    tier.commit({"step": 1})
+    tier = _committed(tmp_path, update=update)
     assert _packs(tmp_path) == ["p0.s0"]  # 36 shards of 12 keys: one file, no per-shard files
     assert not (tmp_path / "process_0" / "data").exists()
     man = read_manifest(tmp_path / "process_0")
@@ -84,9 +90,7 @@ def test_small_keys_share_one_file_and_read_back_bitwise(tmp_path, update):
 
 @pytest.mark.parametrize("update", ["double_slot", "in_place"])
 def test_a_generation_writing_part_of_a_pack_keeps_the_rest(tmp_path, update):
-    tier = _open(tmp_path, update=update)
-    _write(tier, gen=1)
-    tier.commit({"step": 1})
+    tier = _committed(tmp_path, update=update)
     _write(tier, gen=2, keys=["k1/kernel"], indices=[2])  # one shard of one key of the pack
     _write(tier, gen=2, keys=["k3/bias"])
     tier.commit({"step": 2})
@@ -99,9 +103,7 @@ def test_a_generation_writing_part_of_a_pack_keeps_the_rest(tmp_path, update):
 
 
 def test_an_aborted_generation_deletes_its_pack_file_and_keeps_the_committed_one(tmp_path):
-    tier = _open(tmp_path)
-    _write(tier, gen=1)
-    tier.commit({"step": 1})
+    tier = _committed(tmp_path)
     _write(tier, gen=2, keys=["k0/kernel"])
     assert _packs(tmp_path) == ["p0.s0", "p0.s1"]
     tier.declare("late/never", ShardSpec(shard_shape=(4,), dtype="float32", num_shards=3))
@@ -132,9 +134,7 @@ def _damage_error(tier: NvmeTier, key: str, index: int, phrase: str, path: Path)
 
 
 def test_a_bit_flip_in_a_pack_names_key_shard_and_file_and_stops_a_commit(tmp_path):
-    tier = _open(tmp_path)
-    _write(tier, gen=1)
-    tier.commit({"step": 1})
+    tier = _committed(tmp_path)
     path, off = _member(tmp_path, "k2/kernel", 1)
     with open(path, "r+b") as f:
         f.seek(off + 100)
@@ -155,9 +155,7 @@ def test_a_bit_flip_in_a_pack_names_key_shard_and_file_and_stops_a_commit(tmp_pa
 
 
 def test_a_bit_flip_in_an_uncommitted_pack_write_is_caught_on_read_back(tmp_path):
-    tier = _open(tmp_path)
-    _write(tier, gen=1)
-    tier.commit({"step": 1})
+    tier = _committed(tmp_path)
     _write(tier, gen=2, keys=["k0/kernel"])
     path, off = _member(tmp_path, "k0/kernel", 0, pending=True)
     with open(path, "r+b") as f:
@@ -169,9 +167,7 @@ def test_a_bit_flip_in_an_uncommitted_pack_write_is_caught_on_read_back(tmp_path
 
 @pytest.mark.parametrize("damage", ["delete", "truncate"])
 def test_a_missing_or_short_pack_file_is_an_error(tmp_path, damage):
-    tier = _open(tmp_path)
-    _write(tier, gen=1)
-    tier.commit({"step": 1})
+    tier = _committed(tmp_path)
     tier.close()
     path, off = _member(tmp_path, "k3/kernel", 2)
     size = path.stat().st_size
@@ -204,10 +200,7 @@ def test_a_process_packs_only_its_local_shards_and_refuses_another_layout(tmp_pa
 
 
 def test_keys_committed_unpacked_stay_in_their_arrays_and_new_small_keys_are_packed(tmp_path):
-    old = _open(tmp_path, pack_below_bytes=0)  # a directory written before packing (or with it off)
-    _write(old, gen=1)
-    old.commit({"step": 1})
-    old.close()
+    _committed(tmp_path, pack_below_bytes=0).close()  # a directory written before packing (or with it off)
     tier = _open(tmp_path)
     tier.declare("new/scale", ShardSpec(shard_shape=(64,), dtype="float32", num_shards=3))
     _write(tier, gen=2, keys=[*SPECS, "new/scale"])
