@@ -334,6 +334,7 @@ def estimate_from_sizes(
             n, count = (-(-t // n_devices), n_local) if t > config.persistence_threshold else (t, 1)
             out += count * (_on_disk((n,), itemsize) - n * itemsize)
         return out
+    store_pad = pad(c)
     chunk = sub_groups(shard, config.sub_group_size)[0]
     a = heads or max(1, h // 64)  # per-layer activations (Korthikanti et al. 2022) + logits, log-softmax, grad
     workspace = (seq * batch * h * (34 + 5 * a * seq / h) * c / 2 + batch * seq * vocab * (c + 8)) / n_devices
@@ -342,7 +343,7 @@ def estimate_from_sizes(
         unit_held=tuple(u * c // P for u in units), unit_gathered=tuple(u * c * n_local for u in units),
         unit_grad=tuple(u * 4 // P for u in units), calls=tuple(calls), rests=0, glue=glue_el * c * n_local,
         store=params * c // P, store_sharded=(params - glue_el) * c // P,
-        store_disk=params * c // P + pad(c), store_disk_trained=params * c // P + pad(c),
+        store_disk=params * c // P + store_pad, store_disk_trained=params * c // P + store_pad,
         store_io_trained=params * c // P,
         grad=params * 4 // P, opt=_state_bytes(config) * params // P,
         opt_disk=_state_bytes(config) * params // P + pad(4) + 2 * pad(_moment_bytes(config)),

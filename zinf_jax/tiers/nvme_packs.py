@@ -32,6 +32,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from zinf_jax._internal.fs import fsync_dir
 from zinf_jax.tiers.base import ByteBudget, ShardSpec, TierError
 from zinf_jax.tiers.checksum import ALGORITHM, digest
 from zinf_jax.tiers.direct import ALIGN
@@ -142,6 +143,10 @@ class PackFiles:
         """The file of one slot of a pack."""
         return self.dir / f"{name}.s{slot}"
 
+    def _naming(self, e: OSError, name: str, slot: int) -> OSError:
+        """``e`` again, its ``filename`` the file of that pack slot."""
+        return OSError(e.errno, e.strerror, str(self.path(name, slot)))
+
     def _fd(self, pack: Pack, slot: int, *, create: bool) -> int:
         with self._lock:
             fd = self._fds.get((pack.name, slot))
@@ -177,7 +182,7 @@ class PackFiles:
             while done < n:
                 done += os.pwrite(fd, mv[done:], off + done)
         except OSError as e:
-            raise OSError(e.errno, e.strerror, str(self.path(*name))) from e
+            raise self._naming(e, *name) from e
         with self._lock:
             written = self._written.setdefault(name, set())
             new = (key, index) not in written
@@ -206,7 +211,7 @@ class PackFiles:
                 done += got
             return done
         except OSError as e:
-            raise OSError(e.errno, e.strerror, str(self.path(pack.name, slot))) from e
+            raise self._naming(e, pack.name, slot) from e
 
     def flush(self) -> None:
         """Makes the files written since the last flush durable (with ``sync``), and their directory entries.
@@ -224,19 +229,14 @@ class PackFiles:
             return
         for (name, slot), fut in syncing:
             if fut.exception() is not None:
-                e = fut.exception()
-                raise OSError(e.errno, e.strerror, str(self.path(name, slot))) from e
+                raise self._naming(fut.exception(), name, slot) from fut.exception()
         for (name, slot), fd in dirty:
             try:
                 os.fdatasync(fd)
             except OSError as e:
-                raise OSError(e.errno, e.strerror, str(self.path(name, slot))) from e
+                raise self._naming(e, name, slot) from e
         if created:
-            fd = os.open(self.dir, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_dir(self.dir)
 
     def _settle(self) -> None:
         """Waits for the background syncs (before their descriptors close); their errors do not matter then."""
