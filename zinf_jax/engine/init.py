@@ -11,7 +11,10 @@ written and batch ``k - 1``'s writes finish.
 
 A batch is consecutive units whose fp32 parameters stay within ``batch_bytes``
 (a unit larger than that is a batch of its own). The constructor is traced once
-(:class:`~zinf_jax.engine.adapters.InitTrace`); alike batches share one program.
+(:class:`~zinf_jax.engine.adapters.InitTrace`); a batch runs one program per
+unit, and alike units (a model's blocks) share one program: a program of many
+blocks took seconds to compile (7 s for 16 blocks of d_model 256), one block's
+a fraction of that, once.
 """
 from __future__ import annotations
 
@@ -38,18 +41,19 @@ def param_groups(adapter: Any) -> list[tuple[str, ...]]:
     return groups
 
 
-def param_batches(adapter: Any, batch_bytes: int) -> list[tuple[str, ...]]:
-    """:func:`param_groups` merged in order into batches of at most ``batch_bytes`` fp32 bytes."""
+def param_batches(adapter: Any, batch_bytes: int) -> list[list[tuple[str, ...]]]:
+    """:func:`param_groups` merged in order into batches of at most ``batch_bytes`` fp32 bytes (each batch a list
+    of groups)."""
     size = {p: 4 * math.prod(s.shape) for p, s in adapter.abstract_params.items()}
-    batches: list[tuple[str, ...]] = []
+    batches: list[list[tuple[str, ...]]] = []
     held = 0
     for group in param_groups(adapter):
         nbytes = sum(size[p] for p in group)
         if batches and held + nbytes <= batch_bytes:
-            batches[-1] += group
+            batches[-1].append(group)
             held += nbytes
         else:
-            batches.append(group)
+            batches.append([group])
             held = nbytes
     return batches
 
@@ -78,12 +82,13 @@ def init_unit_by_unit(
         weights, :class:`~zinf_jax.engine.pretrained.Pretrained`) instead of
         the model's initialisers, read batch by batch too.
     """
-    def create(group: Sequence[str]) -> Sequence[jax.Array]:
-        if values is None:  # dispatched asynchronously: XLA computes it while the caller goes on
-            return adapter.init_params(group, lambda p, v: to_stored(store.layouts[p], v),
-                                       [store.sharding(p) for p in group])
+    def create(groups: Sequence[Sequence[str]]) -> Sequence[jax.Array]:
+        if values is None:  # one program per unit, shared by alike units; dispatched asynchronously
+            return [a for g in groups for a in adapter.init_params(g, lambda p, v: to_stored(store.layouts[p], v),
+                                                                   [store.sharding(p) for p in g])]
+        paths = [p for g in groups for p in g]
         return [_place(store.layouts[p], v, adapter.abstract_params[p].dtype, store.sharding(p))
-                for p, v in zip(group, values(group))]
+                for p, v in zip(paths, values(paths))]
 
     batches = param_batches(adapter, batch_bytes)
     previous: list = []  # writes of the batch before, still in flight
@@ -93,7 +98,7 @@ def init_unit_by_unit(
         # the next batch's program is dispatched before this batch is copied out and written
         upcoming = create(batches[k + 1]) if k + 1 < len(batches) else []
         futures = []
-        for path, arr in zip(group, arrays):
+        for path, arr in zip([p for g in group for p in g], arrays):
             futures += store.put_array(path, arr)
             if on_param is not None:
                 futures += on_param(path, arr) or []
