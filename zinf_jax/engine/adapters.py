@@ -171,21 +171,31 @@ class InitTrace:
     batches (a model's identical blocks) are then the same program, compiled once.
 
     Args:
-      values: ``values() -> {path: array}``, every parameter of the constructed model.
-      order: the paths, in a fixed order.
+      values: ``values() -> {name: array}``, every output (a parameter's path) of the constructed model.
+      order: the names, in a fixed order; ``None``: the order ``values`` returns them in.
       region: ``region(fn, in_specs)``: runs the constructor's equations as the model's code (with the
         mesh's Explicit axes, when its code names shardings: see ``ModelMesh.region``); ``None``: as they are.
+
+    Attributes:
+      order: the names of the outputs, in order.
+      avals: name -> the abstract value (shape, dtype) of that output.
     """
 
-    def __init__(self, values: Callable[[], Mapping[str, Any]], order: Sequence[str],
+    def __init__(self, values: Callable[[], Mapping[str, Any]], order: Sequence[str] | None = None,
                  region: Callable[[Callable, Any], Callable] | None = None):
-        self._order = {p: i for i, p in enumerate(order)}
         self._region = region
+        names: list[str] = list(order) if order is not None else []
+
         def all_values() -> list[Any]:
             flat = values()  # the constructor runs once
-            return [flat[p] for p in order]
+            if order is None:
+                names.extend(flat)
+            return [flat[p] for p in names]
 
         closed = jax.make_jaxpr(all_values)()
+        self.order = names
+        self._order = {p: i for i, p in enumerate(names)}
+        self.avals = dict(zip(names, closed.out_avals))
         self._jaxpr = jax_private.convert_constvars_jaxpr(closed.jaxpr)  # constants become leading inputs
         self._consts = list(closed.consts)
         self._scalars = self._eval_scalars()

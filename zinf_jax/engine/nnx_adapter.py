@@ -22,14 +22,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import jax
 from flax import nnx
 from flax.core import spmd as core_spmd
 from jax.sharding import Mesh
 
-from zinf_jax.engine.adapters import READ, EngineError, Hook, HookSlot, InitTrace, exact_jit_call, get_path, leaf_paths
+from zinf_jax.engine.adapters import READ, EngineError, Hook, HookSlot, InitTrace, get_path, leaf_paths
 from zinf_jax.plan.model_mesh import ModelMesh
 from zinf_jax.plan.units import Unit, UnitPolicy, UnitPolicyError, nbytes_of, path_str, select_units
 
@@ -195,7 +195,7 @@ class NnxAdapter:
             self._mesh = None
         self.hook = HookSlot()
         self._run = threading.local()  # sown attributes added during the pass in progress
-        self._init_trace: InitTrace | None = None  # the initialisers, traced at the first init_params
+        self._init_trace, self._skeleton = self._trace()
         abstract = self._abstract()
         canon = {id(v): path_str(p) for p, v in nnx.iter_graph(abstract) if isinstance(v, nnx.Param)}
         pstate = nnx.state(abstract, nnx.Param)
@@ -237,14 +237,42 @@ class NnxAdapter:
         self._eval_gdefs: tuple[list[Any], Any] | None = None  # built on first evaluation
         self._kind_cache: dict[bool, list[int]] = {}  # see _kinds
 
-    def _constructing(self) -> Any:
-        """The context the constructor is traced in: the user's mesh when it has Explicit axes."""
-        return self._mesh.tracing() if self._mesh is not None else contextlib.nullcontext()
+    def _trace(self) -> tuple[InitTrace, tuple[Any, Any, list[str]]]:
+        """Traces the constructor, once for everything the adapter needs from it: the abstract model, the
+        parameters' initialisers and the initial non-parameter state (each trace of a deep model costs seconds:
+        Flax reads the sharding of each traced RNG count, and JAX explains the missing attribute by walking
+        the whole trace so far).
 
-    def _abstract(self) -> nnx.Module:
-        """The model, abstract (``nnx.eval_shape`` of the constructor, traced in :meth:`_constructing`)."""
-        with self._constructing():
-            return nnx.eval_shape(self.constructor)
+        Returns:
+          The trace, whose outputs are the leaves of the model's state (a parameter named by its canonical
+          path, every other leaf ``#<position>``), and the skeleton: the graph definition, the state's tree
+          structure and the output names in leaf order.
+        """
+        skeleton: list[Any] = []
+
+        def values() -> dict[str, Any]:
+            model = self.constructor()
+            own = _variables(model)
+            canon = {id(v): path_str(p) for p, v in own.items() if isinstance(v, nnx.Param)}
+            gdef, state = nnx.split(model)
+            leaves, tree = jax.tree.flatten(state)
+            names = [canon[id(own[p])] if isinstance(own.get(p), nnx.Param) else f"#{i}"
+                     for i, p in enumerate(leaf_paths(state))]
+            skeleton.extend([gdef, tree, names])
+            return dict(zip(names, leaves))
+
+        with self._mesh.evaluating() if self._mesh is not None else contextlib.nullcontext():
+            trace = InitTrace(values, region=self._mesh.region if self._mesh is not None else None)
+        return trace, (skeleton[0], skeleton[1], skeleton[2])
+
+    def _abstract(self, values: Mapping[str, Any] | None = None) -> nnx.Module:
+        """A fresh copy of the model, abstract (leaves ``jax.ShapeDtypeStruct``), or with the given ``values``
+        (output name -> array) where it has them."""
+        gdef, tree, names = self._skeleton
+        avals = self._init_trace.avals
+        leaves = [values[n] if values is not None and n in values else
+                  jax.ShapeDtypeStruct(avals[n].shape, avals[n].dtype, weak_type=avals[n].weak_type) for n in names]
+        return nnx.merge(gdef, jax.tree.unflatten(tree, leaves))
 
     def _gdefs(self, train: bool) -> tuple[list[Any], Any]:
         """Graph definitions of the units and the glue in training or evaluation mode.
@@ -333,15 +361,6 @@ class NnxAdapter:
                     added.append((parent, name))
 
     def init_params(self, paths: Sequence[str], transform: Callable, shardings: Sequence[Any]) -> list[jax.Array]:
-        if self._init_trace is None:
-            def values():
-                model = self.constructor()
-                canon = {id(v): path_str(p) for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)}
-                return {canon[id(v)]: v.get_value() for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)}
-
-            with self._mesh.evaluating() if self._mesh is not None else contextlib.nullcontext():
-                self._init_trace = InitTrace(values, list(self.abstract_params),
-                                             self._mesh.region if self._mesh is not None else None)
         return self._init_trace.run(paths, transform, shardings)
 
     def _state_of(self, model: nnx.Module) -> Any:
@@ -350,12 +369,12 @@ class NnxAdapter:
 
     def init_state(self, sharding: Any) -> Any:
         """Every non-parameter variable of the model (units' included), replicated."""
-        make = lambda: self._state_of(self.constructor())  # noqa: E731
-        return exact_jit_call(make if self._mesh is None else self._mesh.region(make, ()), sharding)
+        rest = [n for n in self._skeleton[2] if n not in self.abstract_params]
+        values = dict(zip(rest, self._init_trace.run(rest, lambda _, v: v, [sharding] * len(rest)))) if rest else {}
+        return self._state_of(self._abstract(values))
 
     def abstract_state(self) -> Any:
-        with self._constructing():
-            return jax.eval_shape(lambda: self._state_of(self.constructor()))
+        return self._state_of(self._abstract())
 
     def run(self, loss_fn: Callable, glue: Sequence[jax.Array], state: Any, batch: Any, hook: Hook,
             train: bool = True) -> tuple[Any, Any, Any]:
