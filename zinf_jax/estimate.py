@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zinf_jax._internal.flops import matmul_flops
 from zinf_jax._internal.fmt import human_bytes
 from zinf_jax.config import ZeroConfig
 from zinf_jax.engine.wrap import make_adapter, trainable_paths
@@ -96,6 +97,11 @@ class MemoryEstimate:
         tiers: the forward's and, with activation checkpointing, the backward's parameter fetches; the
         optimizer's master and moments read and written; the scratch gradients written and read back; the
         new compute-dtype params written). See :meth:`io_seconds`.
+      step_pass_read_bytes, step_pass_write_bytes: the forward+backward's part of them (parameter fetches,
+        scratch gradients written); the rest is the optimizer step's. See :meth:`step_seconds`.
+      step_flops: floating-point operations one process computes per step (its share of the batch): matrix
+        products and convolutions of the forward, three times (forward and backward), four with activation
+        checkpointing (the forward again in the backward).
       engine: the engine these tiers run (``"compiled"`` or ``"streamed"``, see ``ZeroConfig.engine``). The
         device figures follow the streamed schedule (units gathered ``prefetch_depth`` ahead); a compiled
         engine's program reports its own: ``engine.lower(batch).compile().memory_analysis()``.
@@ -117,6 +123,9 @@ class MemoryEstimate:
     engine: str = "streamed"
     step_read_bytes: int = 0
     step_write_bytes: int = 0
+    step_pass_read_bytes: int = 0
+    step_pass_write_bytes: int = 0
+    step_flops: int = 0
 
     def io_seconds(self, read_gbps: float, write_gbps: float | None = None) -> float:
         """Seconds a training step's disk traffic of one process needs at these bandwidths (GB/s, 1e9 B).
@@ -127,6 +136,39 @@ class MemoryEstimate:
         if read_gbps <= 0 or (write_gbps is not None and write_gbps <= 0):
             raise ValueError(f"disk bandwidth must be positive GB/s, got {read_gbps}, {write_gbps}")
         return self.step_read_bytes / (read_gbps * 1e9) + self.step_write_bytes / ((write_gbps or read_gbps) * 1e9)
+
+    def step_seconds(self, device_tflops: float, read_gbps: float | None = None,
+                     write_gbps: float | None = None) -> dict[str, float]:
+        """A training step's predicted seconds on one process, by phase.
+
+        The forward+backward computes while it fetches parameters and writes gradients out (the engine prefetches
+        ahead and writes behind), so it takes the longer of the two; the optimizer step reads its state while it
+        writes the previous sub-group's back, so it takes the longer of its reads and its writes (its arithmetic,
+        memory-bound Adam, is not counted). Measured against this machine's steps in the README.
+
+        Args:
+          device_tflops: the compute rate one device achieves on this model (TFLOP/s: 1e12 FLOP/s), e.g. from a
+            plain ``jax.jit`` step of a few of its blocks (``scripts/scale_run.py`` measures it).
+          read_gbps, write_gbps: disk bandwidth of one process in GB/s (default write: ``read_gbps``); needed
+            when a tier is on nvme.
+
+        Returns:
+          ``{"compute", "pass_io", "forward_backward", "optimizer_io", "step"}`` in seconds.
+        """
+        if device_tflops <= 0:
+            raise ValueError(f"device_tflops must be positive TFLOP/s, got {device_tflops}")
+        if read_gbps is None and (self.step_read_bytes or self.step_write_bytes):
+            raise ValueError(f"({self.param_tier}, {self.optimizer_tier}) reads and writes its disk each step: "
+                             "give read_gbps (the disk's bandwidth in GB/s)")
+        r = (read_gbps or 1.0) * 1e9
+        w = (write_gbps or read_gbps or 1.0) * 1e9
+        compute = self.step_flops / (self.n_devices * device_tflops * 1e12)
+        pass_io = self.step_pass_read_bytes / r + self.step_pass_write_bytes / w
+        opt_io = max((self.step_read_bytes - self.step_pass_read_bytes) / r,
+                     (self.step_write_bytes - self.step_pass_write_bytes) / w)
+        fb = max(compute, pass_io)
+        return {"compute": compute, "pass_io": pass_io, "forward_backward": fb, "optimizer_io": opt_io,
+                "step": fb + opt_io}
 
     def required(self) -> dict[str, int]:
         """Bytes needed per tier: state plus overheads (device per device; host, nvme per process)."""
@@ -183,6 +225,7 @@ class _Digest:
     assembly: int  # driver's multi-chunk shard buffer
     param_meta: int  # nvme metadata of the param tier
     workspace: int  # XLA working set per device (transient guess)
+    forward_flops: int  # matrix products of one forward over the whole job's batch
 
 
 def _simulate(d: _Digest, depth: int, max_live: int | None, offload: bool, grads_out: bool) -> tuple[dict, dict]:
@@ -253,7 +296,8 @@ def _estimate(d: _Digest, config: ZeroConfig, pt: str, ot: str, platform: str) -
             "gradients": d.grad_disk if grads_out else 0}
     breakdown = {f"{t}.{k}": int(v) for t, items in (("device", dev), ("host", host), ("nvme", nvme))
                  for k, v in items.items() if v}
-    read, write = _step_io(d, config, pt, ot, grads_out, shared)
+    (read, write), (pass_read, pass_write) = _step_io(d, config, pt, ot, grads_out, shared)
+    flops = d.forward_flops * (4 if config.activation_checkpointing else 3) // d.n_processes
     # transient host copies: nvme param reads before their device copy, tensorstore's copies of optimizer writes
     staging = (pt == "nvme") * (1 + config.prefetch_depth) * max(d.unit_held, default=0) + (ot == "nvme") * buffers
     return MemoryEstimate(
@@ -262,17 +306,20 @@ def _estimate(d: _Digest, config: ZeroConfig, pt: str, ot: str, platform: str) -
         device_overhead_bytes=RUNTIME_OVERHEAD.get(platform, RUNTIME_OVERHEAD["gpu"])[0] + d.workspace,
         host_overhead_bytes=RUNTIME_OVERHEAD.get(platform, RUNTIME_OVERHEAD["gpu"])[1] + staging,
         n_devices=d.n_local, n_processes=d.n_processes, compute_dtype=d.compute_dtype, params=d.params,
-        engine=where.engine, step_read_bytes=read, step_write_bytes=write)
+        engine=where.engine, step_read_bytes=read, step_write_bytes=write, step_pass_read_bytes=pass_read,
+        step_pass_write_bytes=pass_write, step_flops=flops)
 
 
-def _step_io(d: _Digest, config: ZeroConfig, pt: str, ot: str, grads_out: bool, shared: bool) -> tuple[int, int]:
-    """Disk bytes (read, written) of one process in one step, from the bytes the tiers hold."""
-    read = write = 0
+def _step_io(d: _Digest, config: ZeroConfig, pt: str, ot: str, grads_out: bool,
+             shared: bool) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Disk bytes (read, written) of one process in one step, and the forward+backward's part of them, from the
+    bytes the tiers hold."""
+    read = write = pass_read = pass_write = 0
     if pt == "nvme":  # every unit call fetches its shards (a call right after one of the same unit reuses them)
         calls = [u for u, _ in d.calls]
         fetches = [u for i, u in enumerate(calls) if i == 0 or calls[i - 1] != u]
         passes = 2 if config.activation_checkpointing else 1
-        read += passes * sum(d.unit_held[u] * d.n_idx // d.n_local for u in fetches) + d.glue // d.n_local
+        pass_read += passes * sum(d.unit_held[u] * d.n_idx // d.n_local for u in fetches) + d.glue // d.n_local
         if not shared:  # the new compute-dtype values of the trained params
             write += d.store_io_trained
     if ot == "nvme":
@@ -280,8 +327,8 @@ def _step_io(d: _Digest, config: ZeroConfig, pt: str, ot: str, grads_out: bool, 
         write += d.opt_io
         if grads_out:  # written in the backward, read back by the optimizer
             read += d.grad_io
-            write += d.grad_io
-    return int(read), int(write)
+            pass_write += d.grad_io
+    return (int(read + pass_read), int(write + pass_write)), (int(pass_read), int(pass_write))
 
 
 def estimate_from_sizes(
@@ -353,7 +400,8 @@ def estimate_from_sizes(
         grad_io=0 if shard * 4 < IN_RAM_BELOW else params * 4 // P,
         **_pool(config, [(shard, max(1, (params // P) // max(shard, 1)))]),
         assembly=4 * shard if shard > chunk else 0,
-        param_meta=(12 * layers + 3 + untied) * _KEY_METADATA_BYTES, workspace=int(workspace))
+        param_meta=(12 * layers + 3 + untied) * _KEY_METADATA_BYTES, workspace=int(workspace),
+        forward_flops=2 * batch * seq * (layers * block + 2 * layers * seq * h + vocab * h))  # + QK^T and AV
     return [_estimate(d, config, pt, ot, platform) for pt, ot in configurations]
 
 
@@ -388,9 +436,9 @@ def _on_disk(shape: Sequence[int], itemsize: int) -> int:
 
 
 def _trace_calls(adapter: Any, dtype_of: Callable[[str], str], layouts: Mapping[str, Any], loss_fn: Callable,
-                 example: Any) -> tuple[list[tuple[int, int, int]], int, int]:
+                 example: Any) -> tuple[list[tuple[int, int, int]], int, int, int]:
     """Unit calls of one abstract loss evaluation: ``[(uid, sharded checkpoint bytes, replicated bytes)]``,
-    model-state bytes, largest output."""
+    model-state bytes, largest output, and the forward's FLOPs (:func:`~zinf_jax._internal.flops.matmul_flops`)."""
     calls, info = [], {"out": 0}
 
     def record(uid: int, method: str, inputs: Any) -> Any:
@@ -406,8 +454,8 @@ def _trace_calls(adapter: Any, dtype_of: Callable[[str], str], layouts: Mapping[
         return adapter.run(loss_fn, glue, state, batch, record)[0]
 
     state = adapter.abstract_state()
-    jax.eval_shape(run, example, state)
-    return calls, _nbytes(state), info["out"]
+    traced = jax.make_jaxpr(run)(example, state)
+    return calls, _nbytes(state), info["out"], matmul_flops(traced)
 
 
 def estimate_from_model(
@@ -465,7 +513,7 @@ def estimate_from_model(
     chunk, n_chunks = {}, {}
     for p in layouts:
         chunk[p], n_chunks[p] = sub_groups(numel[p], config.sub_group_size)
-    calls, rests, out = _trace_calls(adapter, dtype_of, layouts, loss_fn, example)
+    calls, rests, out, flops = _trace_calls(adapter, dtype_of, layouts, loss_fn, example)
     unit = lambda f: tuple(sum(f(p) for p in u.param_paths) for u in adapter.units)  # noqa: E731
     d = _Digest(
         n_local=n_local, n_idx=n_idx, n_processes=P, compute_dtype=cd, params=sum(x.size for x in layouts.values()),
@@ -492,7 +540,8 @@ def estimate_from_model(
         **_pool(config, [(numel[p], shards[p]) for p in trained]),
         assembly=4 * max((numel[p] for p in trained if n_chunks[p] > 1), default=0),
         param_meta=sum(_KEY_METADATA_BYTES + len(p) + 3 * shards[p] for p in layouts),
-        workspace=3 * out // (P * n_local))  # the largest unit output (logits): itself, f32 copy, cotangent
+        workspace=3 * out // (P * n_local),  # the largest unit output (logits): itself, f32 copy, cotangent
+        forward_flops=flops)
     return [_estimate(d, config, pt, ot, platform) for pt, ot in configurations]
 
 
@@ -507,18 +556,26 @@ def fits(estimates: Iterable[MemoryEstimate], machine: Machine) -> list[MemoryEs
 
 
 def format_report(estimates: Sequence[MemoryEstimate], machine: Machine | None = None,
-                  disk_gbps: float | None = None) -> str:
+                  disk_gbps: float | None = None, device_tflops: float | None = None) -> str:
     """A table of the bytes each configuration needs per tier, with ✓/✗ against ``machine``.
 
     ``disk_gbps``: also each configuration's disk traffic per step and the seconds it needs at that bandwidth.
+    ``device_tflops`` (with ``disk_gbps`` when a tier is on nvme): also the predicted step time
+    (:meth:`MemoryEstimate.step_seconds`).
     """
     io = ["disk I/O a step", f"I/O s @ {disk_gbps:g} GB/s"] if disk_gbps else []
-    rows = [["param", "optimizer", "engine", "device (each)", "host", "nvme"] + io + (["fits"] if machine else [])]
+    timed = ["compute s", "step s"] if device_tflops else []
+    rows = [["param", "optimizer", "engine", "device (each)", "host", "nvme"] + io + timed + (["fits"] if machine else [])]
     for e in estimates:
         req, ok = e.required(), e.fits_tiers(machine) if machine else {}
         mark = lambda t: (" ✓" if ok[t] else " ✗") if machine else ""  # noqa: E731
         traffic = ([human_bytes(e.step_read_bytes + e.step_write_bytes), f"{e.io_seconds(disk_gbps):.2f}"]
                    if disk_gbps else [])
+        if device_tflops and (disk_gbps or not (e.step_read_bytes or e.step_write_bytes)):
+            t = e.step_seconds(device_tflops, disk_gbps)
+            traffic += [f"{t['compute']:.2f}", f"{t['step']:.2f}"]
+        elif device_tflops:
+            traffic += [f"{e.step_seconds(device_tflops, 1.0)['compute']:.2f}", "needs --disk-gbps"]
         rows.append([e.param_tier, e.optimizer_tier, e.engine] + [human_bytes(req[t]) + mark(t) for t in ("device", "host", "nvme")]
                     + traffic + (["✓" if all(ok.values()) else "✗"] if machine else []))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

@@ -15,11 +15,13 @@ two train steps (so both NVMe slots of every key are written), and measures:
 The process RSS growth is recorded (``record_property``), not asserted.
 """
 import dataclasses
+import warnings
 import os
 import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -278,3 +280,67 @@ def test_step_io_bytes_match_the_tiers(tmp_path, checkpointing):
     assert written == est.step_write_bytes
     assert 0.97 < est.step_read_bytes / read < 1.05, (est.step_read_bytes, read)  # persistent params counted per device
     assert est.io_seconds(2.0) == pytest.approx(est.step_read_bytes / 2e9 + est.step_write_bytes / 2e9)
+
+
+def test_step_flops_against_xlas_cost_analysis_of_the_plain_step():
+    """The estimate's FLOPs (the forward's matrix products, x3 for forward+backward, x4 with activation
+    checkpointing) against XLA's own count for plain ``jax.value_and_grad`` of the unwrapped model (which also
+    counts the elementwise arithmetic: a few percent here)."""
+    cfg = TinyLMConfig(n_layers=2, d_model=128, vocab=256, seq=32)
+    gdef, state = nnx.split(ctor(cfg)())
+    batch = np.zeros((BATCH, cfg.seq + 1), np.int32)
+    step = jax.jit(lambda st: nnx.value_and_grad(lm_loss)(nnx.merge(gdef, st), batch))
+    xla = step.lower(state).cost_analysis()["flops"]
+    for checkpointing, passes in ((False, 3), (True, 4)):
+        config = zinf.ZeroConfig(persistence_threshold=1 << 14, activation_checkpointing=checkpointing)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (kept activations are not modelled)
+            est = estimate_from_model(ctor(cfg), config=config, mesh=mesh(), loss_fn=lm_loss, example_batch=example(cfg),
+                                      configurations=[("cpu", "cpu")])[0]
+        assert 0.95 * xla < est.step_flops * 3 / passes <= xla, (est.step_flops, xla)
+    sized = estimate_from_sizes(None, cfg.n_layers, cfg.d_model, cfg.vocab, cfg.seq, BATCH, n_devices=N_DEVICES,
+                                platform="cpu", configurations=[("cpu", "cpu")])[0]
+    assert 0.9 * xla < sized.step_flops * 3 / 4 < 1.1 * xla  # the GPT formula on the same sizes
+
+
+def test_matmul_flops_count_nested_programs():
+    """Scans count their body ``length`` times, conds their costliest branch; convolutions as XLA counts them
+    (unpadded: with padding XLA leaves out the products with the padding's zeros)."""
+    from zinf_jax._internal.flops import matmul_flops
+
+    w = jnp.ones((16, 16))
+
+    def scanned(x):
+        return jax.lax.scan(lambda c, _: (c @ w, None), x, None, length=5)[0]
+
+    assert matmul_flops(jax.make_jaxpr(scanned)(jnp.ones((4, 16)))) == 5 * 2 * 4 * 16 * 16
+    branchy = lambda p, x: jax.lax.cond(p, lambda: x @ w @ w, lambda: x @ w)  # noqa: E731
+    assert matmul_flops(jax.make_jaxpr(branchy)(True, jnp.ones((4, 16)))) == 2 * 2 * 4 * 16 * 16
+    conv = lambda x, k: jax.lax.conv_general_dilated(x, k, (1, 1), "VALID")  # noqa: E731
+    x, k = jnp.ones((2, 3, 8, 8)), jnp.ones((5, 3, 3, 3))
+    assert matmul_flops(jax.make_jaxpr(conv)(x, k)) == jax.jit(conv).lower(x, k).cost_analysis()["flops"]
+
+
+def test_step_seconds_by_phase():
+    """Forward+backward: the longer of compute and its disk traffic; optimizer: the longer of its reads and
+    writes; nvme tiers need the disk's bandwidth."""
+    est = estimate_from_sizes(None, 8, 2048, 256, 64, 8, n_devices=2, platform="cpu",
+                              configurations=[("nvme", "nvme"), ("cpu", "cpu")])
+    disk, mem = est
+    t = disk.step_seconds(0.04, 1.5, 2.0)
+    assert t["compute"] == pytest.approx(disk.step_flops / (2 * 0.04e12))
+    assert t["pass_io"] == pytest.approx(disk.step_pass_read_bytes / 1.5e9 + disk.step_pass_write_bytes / 2e9)
+    opt_read, opt_write = (disk.step_read_bytes - disk.step_pass_read_bytes,
+                           disk.step_write_bytes - disk.step_pass_write_bytes)
+    assert opt_read > 0 and opt_write > 0
+    assert t["optimizer_io"] == pytest.approx(max(opt_read / 1.5e9, opt_write / 2e9))
+    assert t["step"] == pytest.approx(max(t["compute"], t["pass_io"]) + t["optimizer_io"])
+    assert disk.step_seconds(1000.0, 1.5, 2.0)["forward_backward"] == pytest.approx(t["pass_io"])  # disk-bound
+    assert mem.step_seconds(0.04) == {"compute": t["compute"], "pass_io": 0.0, "forward_backward": t["compute"],
+                                      "optimizer_io": 0.0, "step": t["compute"]}
+    with pytest.raises(ValueError, match="read_gbps"):
+        disk.step_seconds(0.04)
+    with pytest.raises(ValueError, match="device_tflops"):
+        mem.step_seconds(0.0)
+    report = format_report(est, disk_gbps=1.5, device_tflops=0.04)
+    assert "step s" in report and f"{t['compute']:.2f}" in report

@@ -132,3 +132,22 @@ def test_estimate_counts_host_and_nvme_per_process(capsys):
     assert 0.24 < ratio < 0.27, ratio  # each host's disk holds its quarter of the state (+ its key metadata)
     assert main([*args, "--processes", "3"]) == 2
     assert "--processes 3: must divide --devices 8" in capsys.readouterr().err
+
+
+def test_estimate_predicts_the_step_from_the_disk_and_the_device_rate(capsys):
+    """``--device-tflops`` with ``--disk-gbps``: each configuration's predicted step seconds (with 4 processes each
+    one computes its quarter of the batch on its own devices); without a disk bandwidth the nvme rows say so."""
+    args = ["estimate", "--layers", "8", "--hidden", "1024", "--devices", "8", "--device-tflops", "100"]
+    assert main([*args, "--disk-gbps", "3", "--json"]) == 0
+    rows = {(e["param_tier"], e["optimizer_tier"]): e for e in json.loads(capsys.readouterr().out)}
+    assert main([*args, "--disk-gbps", "3", "--json", "--processes", "4"]) == 0
+    four = {(e["param_tier"], e["optimizer_tier"]): e for e in json.loads(capsys.readouterr().out)}
+    one, other = rows[("nvme", "nvme")]["step_seconds"], four[("nvme", "nvme")]["step_seconds"]
+    assert one["compute"] == pytest.approx(other["compute"])  # a quarter of the work on a quarter of the devices
+    assert one["step"] == pytest.approx(max(one["compute"], one["pass_io"]) + one["optimizer_io"])
+    assert rows[("none", "cpu")]["step_seconds"]["step"] == pytest.approx(one["compute"])
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "step s" in out and "needs --disk-gbps" in out
+    assert main([*args[:-1], "0"]) == 2
+    assert "--device-tflops 0.0: must be a finite number > 0" in capsys.readouterr().err

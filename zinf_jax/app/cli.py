@@ -115,6 +115,9 @@ def _estimate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--disk-gib", type=float, help="free NVMe in GiB")
     p.add_argument("--disk-gbps", type=float, help="disk bandwidth per host in GB/s: adds each configuration's disk "
                    "bytes a step and the seconds they need (the step's I/O bound)")
+    p.add_argument("--device-tflops", type=float, help="compute rate one device achieves on this model in TFLOP/s "
+                   "(e.g. from a plain jax.jit step of a few of its blocks): adds the predicted compute and step "
+                   "seconds (the step's disk part needs --disk-gbps)")
     p.add_argument("--moments-dtype", default="float32", choices=MOMENTS_DTYPES,
                    help="Adam moments' storage; default: %(default)s")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -128,7 +131,7 @@ def _stderr_fd() -> int | None:
 
 
 _POSITIVE_INTS = ("layers", "hidden", "vocab", "seq", "batch", "devices", "processes")
-_POSITIVE_FLOATS = ("disk_gbps", "params", "gpu_gib", "host_gib", "disk_gib")
+_POSITIVE_FLOATS = ("disk_gbps", "device_tflops", "params", "gpu_gib", "host_gib", "disk_gib")
 
 
 def _check_estimate(a: argparse.Namespace) -> None:
@@ -217,10 +220,13 @@ def _main(argv: list[str] | None, stop: StopRequest) -> int:
                               disk_bytes=int(a.disk_gib * gib), n_devices=a.devices // a.processes)
         if a.json:
             import dataclasses as dc
-            rows = [dc.asdict(e) | ({"io_seconds": e.io_seconds(a.disk_gbps)} if a.disk_gbps else {}) for e in ests]
+            rows = [dc.asdict(e) | ({"io_seconds": e.io_seconds(a.disk_gbps)} if a.disk_gbps else {})
+                    | ({"step_seconds": e.step_seconds(a.device_tflops, a.disk_gbps)}
+                       if a.device_tflops and (a.disk_gbps or not (e.step_read_bytes or e.step_write_bytes)) else {})
+                    for e in ests]
             print(json.dumps(rows, indent=1, default=str))
         else:
-            print(format_report(ests, machine, disk_gbps=a.disk_gbps))
+            print(format_report(ests, machine, disk_gbps=a.disk_gbps, device_tflops=a.device_tflops))
         return 0
     except Interrupted as e:
         print(f"zinf-jax {a.command}: {e}", file=sys.stderr)
