@@ -14,7 +14,9 @@ JAX starts). It measures, side by side in the same run:
 * peak RSS growth over the post-import baseline (sampled every 50 ms, and
   ``VmHWM``) — for the whole run, for init, and per step for its forward+backward and its
   optimizer (cut at the step's ``forward_backward_s``) — and bytes on disk (``du``) per parameter;
-* the memory estimate (:func:`zinf_jax.estimate_from_sizes`) next to them;
+* the memory estimate (:func:`zinf_jax.estimate_from_sizes`) next to them, and its predicted step time
+  (``MemoryEstimate.step_seconds``) from the raw disk bandwidth and the compute rate a device achieves on
+  this model's blocks in plain ``jax.jit`` (measured here, :func:`device_rate`), against the measured step;
 * optionally (``--cpu-ref-layers``) the compute time of the same step with both
   tiers on cpu, measured at a depth that fits in RAM and scaled linearly in depth
   (every block is the same), for the overlap ratio
@@ -189,6 +191,43 @@ def create_only(args) -> dict:
     return {"seconds": time.perf_counter() - t, "param_bytes": nbytes}
 
 
+def device_rate(args) -> dict:
+    """The compute rate one device achieves on this model's blocks, in plain JAX: ``jit(value_and_grad)`` of the
+    unwrapped GPT at 1 and 2 layers (parameters replicated, the batch split over the devices), median of 3 steps
+    each after a warm-up; a block's forward+backward FLOPs (3x its forward's matrix products) over the time one
+    more block adds. The estimator's ``device_tflops``."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from zinf_jax._internal.flops import matmul_flops
+    from zinf_jax.models import GPT, GPTConfig, batch_at, corpus, lm_loss
+
+    mesh = jax.make_mesh((len(jax.devices()),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    data, out = corpus(), {}
+    for n in (1, 2):
+        cfg = GPTConfig(d_model=args.d_model, n_heads=args.heads, n_layers=n, seq=args.seq)
+        gdef, params, rest = nnx.split(GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+        params = jax.device_put(params, NamedSharding(mesh, P()))
+        loss = lambda p, b: lm_loss(nnx.merge(gdef, p, rest), b)  # noqa: E731
+        step = jax.jit(jax.value_and_grad(loss))
+        batch = jax.device_put(jnp.asarray(batch_at(data, 0, args.batch, cfg.seq)), NamedSharding(mesh, P("data")))
+        flops = matmul_flops(jax.make_jaxpr(loss)(params, batch))
+        jax.block_until_ready(step(params, batch))
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            jax.block_until_ready(step(params, batch))
+            times.append(time.perf_counter() - t)
+        out[n] = (float(np.median(times)), flops)
+        del params, step
+    per_layer_s, per_layer_flops = out[2][0] - out[1][0], out[2][1] - out[1][1]
+    rate = 3 * per_layer_flops / per_layer_s / len(jax.devices()) / 1e12
+    return {"step_1_layer_s": out[1][0], "step_2_layers_s": out[2][0], "block_forward_flops": per_layer_flops,
+            "device_tflops": rate}
+
+
 def cpu_reference(args, n_layers: int) -> float:
     """Median step time (after the first) with both tiers on cpu at ``n_layers``."""
     import numpy as np
@@ -234,7 +273,15 @@ def estimate_vs_measured(result: dict) -> dict:
     rd, wr = med(lambda s: sum(s["bytes_read"].values())), med(lambda s: sum(s["bytes_written"].values()))
     raw = result["raw_disk"]
     io_s = e.io_seconds(raw["read_GBps"], raw["write_GBps"])  # the predicted I/O bound at this disk's bandwidth
-    return {"host_rss_bytes": rss, "nvme_bytes": e.nvme_bytes, "params": e.params, "rss_ratio": rss / measured,
+    predicted = e.step_seconds(result["device_rate"]["device_tflops"], raw["read_GBps"], raw["write_GBps"])
+    step_s = med(lambda s: s["step_time_s"])
+    return {"predicted_step": predicted, "step_s": step_s, "step_ratio": step_s / predicted["step"],
+            "predicted_fb_s": predicted["forward_backward"],
+            "fb_ratio": med(lambda s: s["time_split"]["forward_backward_s"]) / predicted["forward_backward"],
+            "predicted_optimizer_io_s": predicted["optimizer_io"],
+            "optimizer_ratio": med(lambda s: s["time_split"]["optimizer_total_s"]) / predicted["optimizer_io"],
+            "step_flops": e.step_flops,
+            "host_rss_bytes": rss, "nvme_bytes": e.nvme_bytes, "params": e.params, "rss_ratio": rss / measured,
             "nvme_ratio": e.nvme_bytes / result["disk"]["bytes"], "breakdown": dict(e.breakdown),
             "step_read_bytes": e.step_read_bytes, "step_write_bytes": e.step_write_bytes,
             "step_read_ratio": e.step_read_bytes / max(rd, 1), "step_write_ratio": e.step_write_bytes / max(wr, 1),
@@ -311,8 +358,9 @@ def main(argv: list[str] | None = None) -> int:
         _ = jax.device_put(np.zeros(8))  # backend up before the baseline
         sampler.reset()
         base = _rss()
+        initialize = zinf.initialize  # (the first use imports the engine's modules: not init's time)
         t0 = time.perf_counter()
-        eng = zinf.initialize(lambda: GPT(cfg, rngs=nnx.Rngs(0)), config=config, loss_fn=lm_loss,
+        eng = initialize(lambda: GPT(cfg, rngs=nnx.Rngs(0)), config=config, loss_fn=lm_loss,
                               optimizer=zinf.adamw(1e-4))
         init_s = time.perf_counter() - t0
         n = sum(lay.size for lay in eng.layouts.values())
@@ -338,7 +386,14 @@ def main(argv: list[str] | None = None) -> int:
         result["disk"] = {"bytes": disk, "bytes_per_param": disk / n,
                           "per_tier": {s: _du(root / s) for s in ("params", "optimizer", "grads") if (root / s).exists()}}
         result["rss_base"] = base
+        result["device_rate"] = device_rate(args)
+        print(f"device rate: {result['device_rate']['device_tflops'] * 1e3:.1f} GFLOP/s per device (plain jit)",
+              flush=True)
         result["estimate"] = estimate_vs_measured(result)
+        p = result["estimate"]
+        print(f"predicted step {p['predicted_step']['step']:.1f} s (compute {p['predicted_step']['compute']:.1f}, "
+              f"optimizer I/O {p['predicted_optimizer_io_s']:.1f}); measured {p['step_s']:.1f} s = "
+              f"{p['step_ratio']:.2f}x", flush=True)
         if args.cpu_ref_layers:
             result["overlap"] = overlap(args, result)
         print(f"RSS growth {result['rss_growth'] / GiB:.2f} GiB; disk {disk / GB:.1f} GB = "

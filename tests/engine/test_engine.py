@@ -175,11 +175,12 @@ def test_init_unit_by_unit_equals_eager_bitwise(batch_bytes):
 
 
 def test_init_compiles_alike_blocks_once():
-    """One program per unit batch, but alike batches (identical blocks: their RNG counters and keys enter as
-    arguments) share one compilation: init compiles as much for 8 blocks as for 2."""
+    """One program per unit, and alike units (identical blocks: their RNG counters and keys enter as arguments)
+    share one compilation: init compiles as much for 8 blocks as for 2, in batches of one unit or of the whole
+    model (a program of many blocks took seconds to compile)."""
     import jax.monitoring
 
-    def compiles(n_layers):
+    def compiles(n_layers, batch_bytes=0):
         ad = nnx_adapter(gpt_ctor(n_layers), THRESHOLD)
         count = [0]
 
@@ -189,12 +190,38 @@ def test_init_compiles_alike_blocks_once():
 
         jax.monitoring.register_event_duration_secs_listener(listen)
         try:
-            build(ad, "cpu", threshold=THRESHOLD, init_batch_bytes=0)  # a batch per unit
+            build(ad, "cpu", threshold=THRESHOLD, init_batch_bytes=batch_bytes)
         finally:
             jax.monitoring.unregister_event_duration_listener(listen)
         return count[0]
 
-    assert compiles(8) == compiles(2)
+    compiles(2)  # first: the one-time compilations (eager scalar ops of the RNG chain)
+    assert compiles(8) == compiles(2) == compiles(8, 1 << 30)
+
+
+def test_the_constructor_is_traced_once(tmp_path):
+    """initialize, train, eval, model_state and a trainable filter all use one trace of the constructor (each
+    trace of a deep model costs seconds, growing with depth squared)."""
+    import zinf_jax as zinf
+
+    calls = []
+
+    def ctor():
+        calls.append(1)
+        return gpt_ctor()()
+
+    config = zinf.ZeroConfig(offload_param=zinf.Offload("nvme", path=str(tmp_path)), persistence_threshold=THRESHOLD)
+    engine = zinf.initialize(ctor, config=config, mesh=make_mesh(), loss_fn=lm_loss,
+                             trainable=lambda path, _: "blocks" in path)
+    try:
+        batch = np.asarray(tokens(engine.mesh))
+        engine.train_step(batch)
+        engine.eval_step(batch)
+        engine.model_state()
+        engine.params()
+    finally:
+        engine.close()
+    assert len(calls) == 1
 
 
 def test_bfloat16_compute_float32_grads(gpt_reference):
