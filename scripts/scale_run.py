@@ -191,11 +191,11 @@ def create_only(args) -> dict:
     return {"seconds": time.perf_counter() - t, "param_bytes": nbytes}
 
 
-def device_rate(args) -> dict:
-    """The compute rate one device achieves on this model's blocks, in plain JAX: ``jit(value_and_grad)`` of the
-    unwrapped GPT at 1 and 2 layers (parameters replicated, the batch split over the devices), median of 3 steps
-    each after a warm-up; a block's forward+backward FLOPs (3x its forward's matrix products) over the time one
-    more block adds. The estimator's ``device_tflops``."""
+def device_rate(args, layers: int = 2, reps: int = 5) -> dict:
+    """The compute rate one device achieves on this model in plain JAX: ``jit(value_and_grad)`` of the unwrapped
+    GPT at ``layers`` layers (parameters replicated, the batch split over the devices), the median of ``reps``
+    steps after a warm-up; its FLOPs (3x the forward's matrix products) over that time. The estimator's
+    ``device_tflops``."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -205,27 +205,22 @@ def device_rate(args) -> dict:
     from zinf_jax.models import GPT, GPTConfig, batch_at, corpus, lm_loss
 
     mesh = jax.make_mesh((len(jax.devices()),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-    data, out = corpus(), {}
-    for n in (1, 2):
-        cfg = GPTConfig(d_model=args.d_model, n_heads=args.heads, n_layers=n, seq=args.seq)
-        gdef, params, rest = nnx.split(GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
-        params = jax.device_put(params, NamedSharding(mesh, P()))
-        loss = lambda p, b: lm_loss(nnx.merge(gdef, p, rest), b)  # noqa: E731
-        step = jax.jit(jax.value_and_grad(loss))
-        batch = jax.device_put(jnp.asarray(batch_at(data, 0, args.batch, cfg.seq)), NamedSharding(mesh, P("data")))
-        flops = matmul_flops(jax.make_jaxpr(loss)(params, batch))
+    cfg = GPTConfig(d_model=args.d_model, n_heads=args.heads, n_layers=layers, seq=args.seq)
+    gdef, params, rest = nnx.split(GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    params = jax.device_put(params, NamedSharding(mesh, P()))
+    loss = lambda p, b: lm_loss(nnx.merge(gdef, p, rest), b)  # noqa: E731
+    step = jax.jit(jax.value_and_grad(loss))
+    batch = jax.device_put(jnp.asarray(batch_at(corpus(), 0, args.batch, cfg.seq)), NamedSharding(mesh, P("data")))
+    flops = 3 * matmul_flops(jax.make_jaxpr(loss)(params, batch))
+    jax.block_until_ready(step(params, batch))
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
         jax.block_until_ready(step(params, batch))
-        times = []
-        for _ in range(3):
-            t = time.perf_counter()
-            jax.block_until_ready(step(params, batch))
-            times.append(time.perf_counter() - t)
-        out[n] = (float(np.median(times)), flops)
-        del params, step
-    per_layer_s, per_layer_flops = out[2][0] - out[1][0], out[2][1] - out[1][1]
-    rate = 3 * per_layer_flops / per_layer_s / len(jax.devices()) / 1e12
-    return {"step_1_layer_s": out[1][0], "step_2_layers_s": out[2][0], "block_forward_flops": per_layer_flops,
-            "device_tflops": rate}
+        times.append(time.perf_counter() - t)
+    seconds = float(np.median(times))
+    return {"layers": layers, "step_s": seconds, "steps_s": times, "train_flops": flops,
+            "device_tflops": flops / seconds / len(jax.devices()) / 1e12}
 
 
 def cpu_reference(args, n_layers: int) -> float:

@@ -142,9 +142,9 @@ class MemoryEstimate:
         """A training step's predicted seconds on one process, by phase.
 
         The forward+backward computes while it fetches parameters and writes gradients out (the engine prefetches
-        ahead and writes behind), so it takes the longer of the two; the optimizer step reads its state while it
-        writes the previous sub-group's back, so it takes the longer of its reads and its writes (its arithmetic,
-        memory-bound Adam, is not counted). Measured against this machine's steps in the README.
+        ahead and writes behind), so it takes the longer of the two; the optimizer step reads its state and writes
+        it back through the same disk, so it takes its reads plus its writes (its arithmetic, memory-bound Adam,
+        is not counted: it overlaps the I/O). Measured against this machine's steps in the README.
 
         Args:
           device_tflops: the compute rate one device achieves on this model (TFLOP/s: 1e12 FLOP/s), e.g. from a
@@ -164,8 +164,8 @@ class MemoryEstimate:
         w = (write_gbps or read_gbps or 1.0) * 1e9
         compute = self.step_flops / (self.n_devices * device_tflops * 1e12)
         pass_io = self.step_pass_read_bytes / r + self.step_pass_write_bytes / w
-        opt_io = max((self.step_read_bytes - self.step_pass_read_bytes) / r,
-                     (self.step_write_bytes - self.step_pass_write_bytes) / w)
+        opt_io = (self.step_read_bytes - self.step_pass_read_bytes) / r + (
+            self.step_write_bytes - self.step_pass_write_bytes) / w
         fb = max(compute, pass_io)
         return {"compute": compute, "pass_io": pass_io, "forward_backward": fb, "optimizer_io": opt_io,
                 "step": fb + opt_io}
