@@ -137,6 +137,17 @@ class MemoryEstimate:
             raise ValueError(f"disk bandwidth must be positive GB/s, got {read_gbps}, {write_gbps}")
         return self.step_read_bytes / (read_gbps * 1e9) + self.step_write_bytes / ((write_gbps or read_gbps) * 1e9)
 
+    @property
+    def uses_disk(self) -> bool:
+        """Whether a training step reads or writes the offload disk (a tier on nvme)."""
+        return bool(self.step_read_bytes or self.step_write_bytes)
+
+    def compute_seconds(self, device_tflops: float) -> float:
+        """Seconds one process's devices compute a step (``step_flops``) at ``device_tflops`` each (TFLOP/s)."""
+        if device_tflops <= 0:
+            raise ValueError(f"device_tflops must be positive TFLOP/s, got {device_tflops}")
+        return self.step_flops / (self.n_devices * device_tflops * 1e12)
+
     def step_seconds(self, device_tflops: float, read_gbps: float | None = None,
                      write_gbps: float | None = None) -> dict[str, float]:
         """A training step's predicted seconds on one process, by phase.
@@ -155,14 +166,12 @@ class MemoryEstimate:
         Returns:
           ``{"compute", "pass_io", "forward_backward", "optimizer_io", "step"}`` in seconds.
         """
-        if device_tflops <= 0:
-            raise ValueError(f"device_tflops must be positive TFLOP/s, got {device_tflops}")
-        if read_gbps is None and (self.step_read_bytes or self.step_write_bytes):
+        compute = self.compute_seconds(device_tflops)
+        if read_gbps is None and self.uses_disk:
             raise ValueError(f"({self.param_tier}, {self.optimizer_tier}) reads and writes its disk each step: "
                              "give read_gbps (the disk's bandwidth in GB/s)")
         r = (read_gbps or 1.0) * 1e9
         w = (write_gbps or read_gbps or 1.0) * 1e9
-        compute = self.step_flops / (self.n_devices * device_tflops * 1e12)
         pass_io = self.step_pass_read_bytes / r + self.step_pass_write_bytes / w
         opt_io = (self.step_read_bytes - self.step_pass_read_bytes) / r + (
             self.step_write_bytes - self.step_pass_write_bytes) / w
@@ -571,11 +580,10 @@ def format_report(estimates: Sequence[MemoryEstimate], machine: Machine | None =
         mark = lambda t: (" ✓" if ok[t] else " ✗") if machine else ""  # noqa: E731
         traffic = ([human_bytes(e.step_read_bytes + e.step_write_bytes), f"{e.io_seconds(disk_gbps):.2f}"]
                    if disk_gbps else [])
-        if device_tflops and (disk_gbps or not (e.step_read_bytes or e.step_write_bytes)):
-            t = e.step_seconds(device_tflops, disk_gbps)
-            traffic += [f"{t['compute']:.2f}", f"{t['step']:.2f}"]
-        elif device_tflops:
-            traffic += [f"{e.step_seconds(device_tflops, 1.0)['compute']:.2f}", "needs --disk-gbps"]
+        if device_tflops:
+            step = (f"{e.step_seconds(device_tflops, disk_gbps)['step']:.2f}" if disk_gbps or not e.uses_disk
+                    else "needs --disk-gbps")
+            traffic += [f"{e.compute_seconds(device_tflops):.2f}", step]
         rows.append([e.param_tier, e.optimizer_tier, e.engine] + [human_bytes(req[t]) + mark(t) for t in ("device", "host", "nvme")]
                     + traffic + (["✓" if all(ok.values()) else "✗"] if machine else []))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

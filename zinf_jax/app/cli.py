@@ -222,7 +222,7 @@ def _main(argv: list[str] | None, stop: StopRequest) -> int:
             import dataclasses as dc
             rows = [dc.asdict(e) | ({"io_seconds": e.io_seconds(a.disk_gbps)} if a.disk_gbps else {})
                     | ({"step_seconds": e.step_seconds(a.device_tflops, a.disk_gbps)}
-                       if a.device_tflops and (a.disk_gbps or not (e.step_read_bytes or e.step_write_bytes)) else {})
+                       if a.device_tflops and (a.disk_gbps or not e.uses_disk) else {})
                     for e in ests]
             print(json.dumps(rows, indent=1, default=str))
         else:

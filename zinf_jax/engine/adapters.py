@@ -177,8 +177,7 @@ class InitTrace:
         mesh's Explicit axes, when its code names shardings: see ``ModelMesh.region``); ``None``: as they are.
 
     Attributes:
-      order: the names of the outputs, in order.
-      avals: name -> the abstract value (shape, dtype) of that output.
+      avals: name -> the abstract value (shape, dtype) of each output, in the outputs' order.
     """
 
     def __init__(self, values: Callable[[], Mapping[str, Any]], order: Sequence[str] | None = None,
@@ -193,7 +192,6 @@ class InitTrace:
             return [flat[p] for p in names]
 
         closed = jax.make_jaxpr(all_values)()
-        self.order = names
         self._order = {p: i for i, p in enumerate(names)}
         self.avals = dict(zip(names, closed.out_avals))
         self._jaxpr = jax_private.convert_constvars_jaxpr(closed.jaxpr)  # constants become leading inputs

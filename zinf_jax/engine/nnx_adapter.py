@@ -237,16 +237,16 @@ class NnxAdapter:
         self._eval_gdefs: tuple[list[Any], Any] | None = None  # built on first evaluation
         self._kind_cache: dict[bool, list[int]] = {}  # see _kinds
 
-    def _trace(self) -> tuple[InitTrace, tuple[Any, Any, list[str]]]:
+    def _trace(self) -> tuple[InitTrace, tuple[Any, Any]]:
         """Traces the constructor, once for everything the adapter needs from it: the abstract model, the
         parameters' initialisers and the initial non-parameter state (each trace of a deep model costs seconds:
         Flax reads the sharding of each traced RNG count, and JAX explains the missing attribute by walking
         the whole trace so far).
 
         Returns:
-          The trace, whose outputs are the leaves of the model's state (a parameter named by its canonical
-          path, every other leaf ``#<position>``), and the skeleton: the graph definition, the state's tree
-          structure and the output names in leaf order.
+          The trace, whose outputs are the leaves of the model's state in leaf order (a parameter named by its
+          canonical path, every other leaf ``#<position>``), and the skeleton: the graph definition and the
+          state's tree structure.
         """
         skeleton: list[Any] = []
 
@@ -258,20 +258,20 @@ class NnxAdapter:
             leaves, tree = jax.tree.flatten(state)
             names = [canon[id(own[p])] if isinstance(own.get(p), nnx.Param) else f"#{i}"
                      for i, p in enumerate(leaf_paths(state))]
-            skeleton.extend([gdef, tree, names])
+            skeleton.extend([gdef, tree])
             return dict(zip(names, leaves))
 
         with self._mesh.evaluating() if self._mesh is not None else contextlib.nullcontext():
             trace = InitTrace(values, region=self._mesh.region if self._mesh is not None else None)
-        return trace, (skeleton[0], skeleton[1], skeleton[2])
+        return trace, (skeleton[0], skeleton[1])
 
     def _abstract(self, values: Mapping[str, Any] | None = None) -> nnx.Module:
         """A fresh copy of the model, abstract (leaves ``jax.ShapeDtypeStruct``), or with the given ``values``
         (output name -> array) where it has them."""
-        gdef, tree, names = self._skeleton
+        gdef, tree = self._skeleton
         avals = self._init_trace.avals
         leaves = [values[n] if values is not None and n in values else
-                  jax.ShapeDtypeStruct(avals[n].shape, avals[n].dtype, weak_type=avals[n].weak_type) for n in names]
+                  jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for n, a in avals.items()]
         return nnx.merge(gdef, jax.tree.unflatten(tree, leaves))
 
     def _gdefs(self, train: bool) -> tuple[list[Any], Any]:
@@ -369,7 +369,7 @@ class NnxAdapter:
 
     def init_state(self, sharding: Any) -> Any:
         """Every non-parameter variable of the model (units' included), replicated."""
-        rest = [n for n in self._skeleton[2] if n not in self.abstract_params]
+        rest = [n for n in self._init_trace.avals if n not in self.abstract_params]
         values = dict(zip(rest, self._init_trace.run(rest, lambda _, v: v, [sharding] * len(rest)))) if rest else {}
         return self._state_of(self._abstract(values))
 
