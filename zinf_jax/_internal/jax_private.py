@@ -21,19 +21,24 @@ name                        from                                  used by
 ``join_effects``            ``jax._src.core`` (private)           ``engine/glue``
 ``convert_constvars_jaxpr`` ``jax._src.interpreters.partial_eval``  ``engine/adapters``
 ``dce_jaxpr``               ``jax._src.interpreters.partial_eval``  ``engine/adapters``
+``discharge_refs``          ``jax._src.state.discharge``          ``engine/adapters``
 ``distributed_client``      ``jax._src.distributed.global_state``  ``app/peers``
 ==========================  ====================================  =====================
 """
 from __future__ import annotations
 
+import inspect
+
 from jax._src import core as _core  # private: join_effects has no public home (JAX 0.10.2)
 from jax._src import distributed as _distributed  # private: the job's client (orbax reaches it the same way)
 from jax._src.interpreters import partial_eval as _pe  # private: jaxpr rewriting (JAX 0.10.2)
+from jax._src.state import discharge as _discharge  # private: Ref-free jaxprs (JAX 0.10.2)
 from jax.core import ShapedArray, eval_jaxpr
 from jax.extend.core import ClosedJaxpr, DebugInfo, DropVar, Jaxpr, Literal, Primitive, Var, jaxpr_as_fun
 
 __all__ = ["ClosedJaxpr", "DebugInfo", "DropVar", "Jaxpr", "Literal", "Primitive", "Var", "jaxpr_as_fun",
-           "ShapedArray", "eval_jaxpr", "join_effects", "convert_constvars_jaxpr", "dce_jaxpr", "distributed_client"]
+           "ShapedArray", "eval_jaxpr", "join_effects", "convert_constvars_jaxpr", "dce_jaxpr", "discharge_refs",
+           "distributed_client"]
 
 join_effects = _core.join_effects
 """The union of effect sets (of a segment's equations)."""
@@ -41,6 +46,15 @@ convert_constvars_jaxpr = _pe.convert_constvars_jaxpr
 """A jaxpr whose constants become its leading inputs."""
 dce_jaxpr = _pe.dce_jaxpr
 """Dead-code elimination: ``(jaxpr, used_outputs) -> (smaller jaxpr, used_inputs)``."""
+
+
+def discharge_refs(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """The same computation without mutable array references: each ``Ref`` the jaxpr creates, reads and
+    writes becomes the plain values it holds (the state discharge JAX applies before lowering)."""
+    if "closed_jaxpr" in inspect.signature(_discharge.discharge_state).parameters:
+        return _discharge.discharge_state(closed)
+    jaxpr, consts = _discharge.discharge_state(closed.jaxpr, closed.consts)  # JAX < 0.8: (jaxpr, consts)
+    return ClosedJaxpr(jaxpr, consts)
 
 
 def distributed_client():

@@ -191,7 +191,7 @@ class InitTrace:
                 names.extend(flat)
             return [flat[p] for p in names]
 
-        closed = jax.make_jaxpr(all_values)()
+        closed = jax_private.discharge_refs(jax.make_jaxpr(all_values)())  # a constructor may build with Refs
         self._order = {p: i for i, p in enumerate(names)}
         self.avals = dict(zip(names, closed.out_avals))
         self._jaxpr = jax_private.convert_constvars_jaxpr(closed.jaxpr)  # constants become leading inputs

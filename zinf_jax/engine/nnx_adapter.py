@@ -82,6 +82,25 @@ def _without_eager_sharding(constructor: Callable[[], nnx.Module]) -> Callable[[
     return build
 
 
+def _construct_with_refs(constructor: Callable[[], nnx.Module]) -> nnx.Module:
+    """The model built with its Variables as array references, then turned back into plain Variables.
+
+    Under a trace, Flax updates a plain Variable's RNG count by comparing the old and new values'
+    ``sharding``; on a tracer that attribute raises, and JAX writes the error's message by walking the
+    whole trace so far. Built that way, a deep constructor traces in time quadratic in depth (51 s for a
+    90-block GPT); a reference is updated in place without the comparison (4.4 s). The values, the graph
+    definition and tied Variables are the same (``tests/engine/test_engine.py``); the trace's reference
+    operations are discharged into plain ones (``InitTrace``). Flax before 0.12.4 has no
+    ``var_defaults`` and builds as it is (quadratic in 0.12.2 and 0.12.3, which have the comparison).
+    """
+    if not hasattr(nnx, "var_defaults"):
+        return constructor()
+    with nnx.var_defaults(ref=True):
+        model = constructor()
+    as_values = getattr(nnx, "with_vars", None) or nnx.vars_as  # renamed in Flax 0.12.8
+    return as_values(model, ref=False, allow_duplicates=True)
+
+
 def _own_spec(var: nnx.Variable) -> tuple | None:
     """The mesh axes of each dimension of a parameter, from its ``out_sharding`` metadata (Flax eager
     sharding, ``nnx.with_partitioning``; logical names mapped by its ``sharding_rules`` and the rules in
@@ -239,9 +258,8 @@ class NnxAdapter:
 
     def _trace(self) -> tuple[InitTrace, tuple[Any, Any]]:
         """Traces the constructor, once for everything the adapter needs from it: the abstract model, the
-        parameters' initialisers and the initial non-parameter state (each trace of a deep model costs seconds:
-        Flax reads the sharding of each traced RNG count, and JAX explains the missing attribute by walking
-        the whole trace so far).
+        parameters' initialisers and the initial non-parameter state (see ``_construct_with_refs`` for why the
+        variables are built as references).
 
         Returns:
           The trace, whose outputs are the leaves of the model's state in leaf order (a parameter named by its
@@ -251,7 +269,7 @@ class NnxAdapter:
         skeleton: list[Any] = []
 
         def values() -> dict[str, Any]:
-            model = self.constructor()
+            model = _construct_with_refs(self.constructor)
             own = _variables(model)
             canon = {id(v): path_str(p) for p, v in own.items() if isinstance(v, nnx.Param)}
             gdef, state = nnx.split(model)
