@@ -242,8 +242,10 @@ def cpu_reference(args, n_layers: int) -> float:
 
 
 def _tuning(a: dict) -> dict:
-    """The optional ZeroConfig settings of the run (``--sub-group-size``, ``--moments-dtype``)."""
-    out = {"moments_dtype": a.get("moments_dtype") or "float32"}
+    """The optional ZeroConfig settings of the run (``--sub-group-size``, ``--moments-dtype``,
+    ``--offload-activations``)."""
+    out = {"moments_dtype": a.get("moments_dtype") or "float32",
+           "offload_activations": {"none": False, "cpu": True, "nvme": "nvme"}[a.get("offload_activations") or "none"]}
     if a.get("sub_group_size"):
         out["sub_group_size"] = a["sub_group_size"]
     return out
@@ -315,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nvme-update", default="in_place", choices=("in_place", "double_slot"))
     ap.add_argument("--sub-group-size", type=int, default=None, help="ZeroConfig.sub_group_size (default: its own)")
     ap.add_argument("--moments-dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--offload-activations", default="none", choices=("none", "cpu", "nvme"),
+                    help="ZeroConfig.offload_activations: device memory (none), host memory (cpu) or disk (nvme)")
     ap.add_argument("--cpu-ref-layers", type=int, default=0,
                     help="also time the step with both tiers on cpu at this depth and at 1 layer (0: skip)")
     ap.add_argument("--cpu-ref-of", default=None,

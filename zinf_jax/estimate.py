@@ -237,8 +237,12 @@ class _Digest:
     forward_flops: int  # matrix products of one forward over the whole job's batch
 
 
-def _simulate(d: _Digest, depth: int, max_live: int | None, offload: bool, grads_out: bool) -> tuple[dict, dict]:
-    """Replays the prefetcher over the forward+backward schedule; the device and host peaks (local sums)."""
+def _simulate(d: _Digest, depth: int, max_live: int | None, activations: str, grads_out: bool) -> tuple[dict, dict]:
+    """Replays the prefetcher over the forward+backward schedule; the device and host peaks (local sums).
+
+    ``activations`` (``Placement.activations``) holds the saved activations on ``"device"``, on the host
+    (``"cpu"``), or on disk (``"nvme"``: in neither memory).
+    """
     sched = [u for u, _ in d.calls] + [u for u, _ in reversed(d.calls)]
     n, prefix = len(d.calls), np.cumsum([0] + [b for _, b in d.calls]).tolist()
     inflight: dict[int, int] = {}  # schedule position -> uid, fetched ahead
@@ -253,8 +257,8 @@ def _simulate(d: _Digest, depth: int, max_live: int | None, offload: bool, grads
             inflight.setdefault(q, sched[q])
         saved = prefix[p] if p < n else prefix[2 * n - 1 - p]  # a backward call pops its checkpoint first
         dev = {"gathered_unit": d.unit_gathered[uid], "prefetched_shards": held(),
-               "activations": 0 if offload else saved}
-        host = {"activations": saved if offload else 0,
+               "activations": saved if activations == "device" else 0}
+        host = {"activations": saved if activations == "cpu" else 0,
                 "grad_sink": d.unit_grad[uid] if grads_out and p >= n else sum(d.unit_grad[u] for u in grads_done)}
         dev_best = max(dev_best, dev, key=lambda x: sum(x.values()))
         host_best = max(host_best, host, key=lambda x: sum(x.values()))
@@ -278,7 +282,7 @@ def _estimate(d: _Digest, config: ZeroConfig, pt: str, ot: str, platform: str) -
     where = place(config, d.compute_dtype, param_device=pt, optimizer_device=ot)  # what the engine would open
     grads_out = where.grads_out  # See [Note: scratch gradients]
     shared = where.shared_master  # See [Note: shared fp32 master]
-    stream, host_fb = _simulate(d, config.prefetch_depth, config.max_live_bytes, config.offload_activations, grads_out)
+    stream, host_fb = _simulate(d, config.prefetch_depth, config.max_live_bytes, where.activations, grads_out)
     on_dev, cpu_p, cpu_o = d.store if pt == "none" else 0, d.store if pt == "cpu" else 0, d.opt if ot == "cpu" else 0
     fixed = {"unit_state": d.rests, "persistent_params": d.glue, "optimizer_state": d.opt if ot == "none" else 0}
     dev = {**stream, **fixed, "param_tier": on_dev}  # the stream's peak; the optimizer step adds nothing on device

@@ -102,7 +102,7 @@ def test_peak_device_memory_flat_in_depth():
     for n in (4, 8, 16):
         cfg, ctor = _ctor(n, d_model=64)
         sm = build(nnx_adapter(ctor, THRESHOLD), "cpu", threshold=THRESHOLD, depth=1, init="random",
-                   offload_activations=True, track_live_arrays=True)
+                   activations=PinnedHost(), track_live_arrays=True)
         glue = sm.store.fetch(sm.adapter.glue_paths)
         batch = _batch(cfg, sm.mesh)
         sm.forward_backward(lm_loss, batch, glue, has_aux=False)

@@ -132,6 +132,8 @@ def parse_deepspeed(path_or_dict: Any, config_cls: type) -> Any:
         name = "adamw" if kind.lower() == "adamw" or adam_w else "adam"
         optimizer = params.build(OptimizerConfig, name=name, b1=b1, b2=b2)
     max_live = zero.get("stage3_max_live_parameters", as_int, 1, default=None)
+    cpu_checkpointing = top.section("activation_checkpointing").get("cpu_checkpointing", as_other, *BOOL,
+                                                                    default=False)
     config = zero.build(
         config_cls, offload_param=zero.section("offload_param").build(Offload),
         offload_optimizer=zero.section("offload_optimizer").build(Offload, buffer_count=4),  # DeepSpeed's default
@@ -140,7 +142,7 @@ def parse_deepspeed(path_or_dict: Any, config_cls: type) -> Any:
         compute_dtype=dtype, loss_scale=fp16.build(LossScaleConfig, enabled=use_fp16 or None),
         optimizer=optimizer, gradient_clipping=top.get("gradient_clipping", as_float, *NONNEG, default=0.0),
         gradient_accumulation_steps=top.get("gradient_accumulation_steps", as_int, 1, default=1),
-        moments_dtype="bfloat16" if bf16_states else "float32")
+        moments_dtype="bfloat16" if bf16_states else "float32", offload_activations=cpu_checkpointing)
     unused = sorted(f"{s.prefix}{k}" for s in top.sections for k in s.data if k not in s.used)
     notes = [f"{what}: {', '.join(keys)}" for what, keys in [("keys not used by zinf_jax", unused),
              ("'auto' replaced by the zinf_jax default", sorted(top.auto))] if keys]

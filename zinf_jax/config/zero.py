@@ -23,6 +23,8 @@ ALIGN_BYTES = 4096  # smallest chunk file: one direct-I/O block
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 ENGINES = ("auto", "compiled", "streamed")
 MOMENTS_DTYPES = ("float32", "bfloat16")
+ACTIVATION_PLACES = (lambda v: isinstance(v, bool) or (isinstance(v, str) and v in ("cpu", "nvme")),
+                     "false (device memory), true or 'cpu' (host memory), or 'nvme'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,9 +157,13 @@ class ZeroConfig:
     rounded; the stored moments are rounded to nearest even (DeepSpeed: ``bf16.bf16_optimizer_states``)."""
     sub_group_size: int = checked(1_000_000_000, as_int, 1, ds="sub_group_size")
     """Elements per optimizer sub-group, the unit the streamed optimizer step reads, updates and writes."""
-    offload_activations: bool = checked(False, as_other, *BOOL)
-    """Keep the activation checkpoints at unit boundaries (or, without checkpointing, the saved
-    activations) in pinned host memory."""
+    offload_activations: bool | str = checked(False, as_other, *ACTIVATION_PLACES)
+    """Where the streamed engine keeps the activations it saves for the backward (the checkpoints at unit
+    boundaries, or without checkpointing everything a backward needs), which grow with depth:
+    ``False``: device memory; ``True`` or ``"cpu"``: pinned host memory (DeepSpeed:
+    ``activation_checkpointing.cpu_checkpointing``); ``"nvme"``: files under the NVMe tier's path (the
+    params' when they are on nvme, else the optimizer's), written during the forward and read back one
+    unit ahead in the backward, so neither device nor host memory grows with depth."""
     activation_checkpointing: bool = checked(True, as_other, *BOOL)
     """Keep only each unit's inputs and recompute its forward in the backward (least device memory).
     ``False``: keep every activation the backward needs, as plain ``jax.grad`` and DeepSpeed without
@@ -189,6 +195,11 @@ class ZeroConfig:
 
     def __post_init__(self) -> None:
         validate(self)
+        if self.offload_activations == "nvme" and "nvme" not in (self.offload_param.device,
+                                                                 self.offload_optimizer.device):
+            detail = ("'nvme' writes activations under an NVMe tier's path, and neither offload_param nor "
+                      "offload_optimizer is on nvme: give one Offload('nvme', path=...), or use True (host memory)")
+            raise ConfigError(f"ZeroConfig.offload_activations: {detail}", field="offload_activations", detail=detail)
         if self.engine == "compiled" and (why := self.why_not_compiled()):
             detail = f"the compiled engine cannot run with {why}; use engine='auto' (it picks the streamed one) or 'streamed'"
             raise ConfigError(f"ZeroConfig.engine: {detail}", field="engine", detail=detail)
@@ -202,7 +213,8 @@ class ZeroConfig:
         if (param_device or self.offload_param.device) == "nvme":
             return "offload_param='nvme' (parameters are fetched from disk between unit programs)"
         if self.offload_activations:
-            return "offload_activations=True (the streamed engine parks unit inputs in host memory)"
+            return (f"offload_activations={self.offload_activations!r} (the streamed engine parks unit inputs "
+                    "in host memory or on disk)")
         return None
 
     def resolved_engine(self, param_device: str | None = None) -> str:

@@ -25,6 +25,7 @@ from jax.sharding import Mesh
 
 from zinf_jax._internal.multihost import allreduce_sum
 from zinf_jax.config import ZeroConfig
+from zinf_jax.engine.activations import parking_for
 from zinf_jax.engine.grads import GradSink
 from zinf_jax.engine.init import init_unit_by_unit
 from zinf_jax.engine.lifecycle import LifeCycle
@@ -186,7 +187,8 @@ def build(adapter: Any, *, config: ZeroConfig, mesh: Mesh, optimizer: Any, init:
         else:
             passes = StreamedModel(
                 adapter, store, prefetch_depth=config.prefetch_depth, max_live_bytes=config.max_live_bytes,
-                offload_activations=config.offload_activations, track_live_arrays=track_live_arrays,
+                activations=parking_for(where.activations, where.activations_path),
+                track_live_arrays=track_live_arrays,
                 activation_checkpointing=config.activation_checkpointing, param_loss=param_loss,
                 trainable=trained, sink=sink, gate=gate, model_mesh=model_mesh,
             )

@@ -41,6 +41,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zinf_jax._internal import native_memory
 from zinf_jax.errors import EngineError
+from zinf_jax.engine.activations import OnDevice
 from zinf_jax.engine.glue import TraceCache, Traced, UnitCall, unit_out_shapes
 from zinf_jax.engine.grads import GradSink
 from zinf_jax.engine.overlap import WriteGate
@@ -123,7 +124,8 @@ class StreamedModel:
       store: the parameter store (param tier).
       prefetch_depth: units kept in flight ahead of use.
       max_live_bytes: bound on parameter bytes held on device (``None``: none).
-      offload_activations: keep unit-boundary checkpoints in pinned host memory.
+      activations: where saved activations wait for the backward (:mod:`zinf_jax.engine.activations`;
+        default: device memory).
       activation_checkpointing: keep only unit inputs and recompute in the
         backward (``False``: keep what the backward needs; no recompute, no
         backward fetch).
@@ -146,7 +148,7 @@ class StreamedModel:
         *,
         prefetch_depth: int = 2,
         max_live_bytes: int | None = None,
-        offload_activations: bool = False,
+        activations: OnDevice | None = None,
         activation_checkpointing: bool = True,
         track_live_arrays: bool = False,
         param_loss: ParamLoss | None = None,
@@ -176,7 +178,7 @@ class StreamedModel:
             prefetch_depth,
             max_live_bytes,
         )
-        self.offload_activations = offload_activations
+        self.activations = activations or OnDevice()
         self.activation_checkpointing = activation_checkpointing
         self.track_live_arrays = track_live_arrays
         self.param_loss = param_loss
@@ -299,6 +301,8 @@ class StreamedModel:
 
     def _end(self, p: _Pass) -> None:
         self._pass = None
+        for saved in p.saved:  # left by a pass that stopped between its forward and backward
+            self.activations.discard(saved[2])
         p.saved.clear()
         self.prefetcher.finish()
 
@@ -368,7 +372,7 @@ class StreamedModel:
         if self._sync_units:
             jax.block_until_ready(out)
         if save:  # the unit's inputs (checkpointing), or everything its backward needs
-            parked = self._park(kept if keep_all else dyn)
+            parked = self.activations.park(kept if keep_all else dyn)
             extra = (_out_spec(out), [(jnp.shape(x), jax.typeof(x).dtype) for x in dyn]) if keep_all else penalty
             p.saved.append((uid, method, parked, extra, _nbytes_on_devices(parked)))
             p.saved_bytes += p.saved[-1][-1]
@@ -380,12 +384,14 @@ class StreamedModel:
     def _backward(self, p: _Pass, uid: int, method: str, sig: tuple, g: Any) -> Any:
         suid, smethod, parked, extra, nbytes = p.saved.pop()
         p.saved_bytes -= nbytes
+        if p.saved:  # the next backward's activations come back while this one computes
+            self.activations.prefetch(p.saved[-1][2])
         if (suid, smethod) != (uid, method):
             raise EngineError(f"backward order mismatch: expected {self.units[suid].path}.{smethod}, got {self.units[uid].path}.{method}")
         g = [x for x in jax.tree.leaves(g) if x.dtype != jax.dtypes.float0]
         key, lays = self._key(uid, method, sig, p.train), self._layouts[uid]
         if self.activation_checkpointing:  # recompute from the inputs, with the unit fetched again
-            dyn = self._unpark(parked)
+            dyn = self.activations.unpark(parked)
             inputs = [(jnp.shape(x), jax.typeof(x).dtype) for x in dyn]
             stored = self.prefetcher.take((uid, method))
             prog = self.programs.backward(key, lays, self._unit_fn(uid, method, sig, p.train), extra,
@@ -394,7 +400,7 @@ class StreamedModel:
         else:  # the forward kept everything (the shards to re-gather included): no fetch
             (out_spec, inputs), stored = extra, None
             prog = self.programs.backward_saved(key, lays, out_spec, self._trainable[uid])
-            args = (self._unpark(parked),)
+            args = (self.activations.unpark(parked),)
         del parked
         self._account(uid)
         with TraceAnnotation("zinf/unit_backward", unit=self.units[uid].path):
@@ -420,28 +426,7 @@ class StreamedModel:
         if self._gathered[uid] >= TRIM_BYTES:  # below, the ~15 ms a call costs buys nothing measurable
             native_memory.trim()
 
-    # --- activation checkpoints and accounting -------------------------------
-    def _park(self, args: Any) -> Any:
-        # Uncommitted arrays (e.g. ``jnp.arange`` made by glue code) stay where they are:
-        # a round trip through the host would commit them to one device, and the
-        # backward program would then refuse them next to mesh-sharded parameters.
-        if not self.offload_activations:
-            return args
-        return jax.tree.map(
-            lambda x: jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
-            if isinstance(x, jax.Array) and x.committed else x,
-            args,
-        )
-
-    def _unpark(self, args: Any) -> Any:
-        if not self.offload_activations:
-            return args
-        return jax.tree.map(
-            lambda x: jax.device_put(x, x.sharding.with_memory_kind("device"))
-            if isinstance(x, jax.Array) and x.sharding.memory_kind == "pinned_host" else x,
-            args,
-        )
-
+    # --- accounting -------------------------------
     def held_device_bytes(self) -> int:
         """Bytes the engine holds on device now: params in flight + checkpoints + model state."""
         p = self._pass
@@ -467,8 +452,9 @@ class StreamedModel:
         return self.prefetcher.wait_s
 
     def close(self) -> None:
-        """Stops the prefetcher."""
+        """Stops the prefetcher and the activations' parking."""
         self.prefetcher.close()
+        self.activations.close()
 
 
 def _out_spec(out: Any) -> tuple[Any, tuple[tuple[tuple[int, ...], bool], ...]]:

@@ -95,6 +95,10 @@ class Placement:
       grads: the scratch gradient tier ([Note: scratch gradients]), or None: gradients in host RAM.
       shared_master: trained params are read from the optimizer's master ([Note: shared fp32 master]).
       engine: ``"compiled"`` (one program per step) or ``"streamed"`` (units fetched between programs).
+      activations: where the streamed engine keeps saved activations: ``"device"``, ``"cpu"`` (pinned host
+        memory) or ``"nvme"`` (files under :attr:`activations_path`).
+      activations_path: the offload path activations are written under (``"nvme"``: the params', else
+        the optimizer's), or None.
     """
 
     params: TierPlacement
@@ -102,6 +106,8 @@ class Placement:
     grads: TierPlacement | None
     shared_master: bool
     engine: str
+    activations: str = "device"
+    activations_path: str | None = None
 
     @property
     def grads_out(self) -> bool:
@@ -127,6 +133,10 @@ def place(config: ZeroConfig, compute_dtype: str, *, param_device: str | None = 
                               host_memory="numpy", update=update, direct_io=oo.direct_io)
     grads = None if od != "nvme" else dataclasses.replace(optimizer, subdir="grads",
                                                                  update=UpdateMode.SCRATCH)
+    act = config.offload_activations
+    activations = "nvme" if act == "nvme" else "cpu" if act in (True, "cpu") else "device"
+    nvme_path = params.path if pd == "nvme" else optimizer.path if od == "nvme" else None
     return Placement(params=params, optimizer=optimizer, grads=grads,
                      shared_master=compute_dtype == "float32" and pd == od == "nvme",
-                     engine=config.resolved_engine(pd))
+                     engine=config.resolved_engine(pd), activations=activations,
+                     activations_path=nvme_path if activations == "nvme" else None)
