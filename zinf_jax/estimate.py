@@ -105,6 +105,8 @@ class MemoryEstimate:
       engine: the engine these tiers run (``"compiled"`` or ``"streamed"``, see ``ZeroConfig.engine``). The
         device figures follow the streamed schedule (units gathered ``prefetch_depth`` ahead); a compiled
         engine's program reports its own: ``engine.lower(batch).compile().memory_analysis()``.
+      platform: the devices' platform (``"cpu"``, ``"gpu"``, ``"tpu"``): on ``"cpu"`` the devices are the
+        host's cores, which also move the tiers' bytes (see :meth:`step_seconds`).
     """
 
     param_tier: str
@@ -126,6 +128,7 @@ class MemoryEstimate:
     step_pass_read_bytes: int = 0
     step_pass_write_bytes: int = 0
     step_flops: int = 0
+    platform: str = "gpu"
 
     def io_seconds(self, read_gbps: float, write_gbps: float | None = None) -> float:
         """Seconds a training step's disk traffic of one process needs at these bandwidths (GB/s, 1e9 B).
@@ -153,7 +156,8 @@ class MemoryEstimate:
         """A training step's predicted seconds on one process, by phase.
 
         The forward+backward computes while it fetches parameters and writes gradients out (the engine prefetches
-        ahead and writes behind), so it takes the longer of the two; the optimizer step reads its state and writes
+        ahead and writes behind), so on an accelerator it takes the longer of the two; on a CPU mesh the same
+        cores compute and move those bytes (reads, checksums, copies), so it takes their sum. The optimizer step reads its state and writes
         it back through the same disk, so it takes its reads plus its writes (its arithmetic, memory-bound Adam,
         is not counted: it overlaps the I/O). Measured against this machine's steps in the README.
 
@@ -175,7 +179,7 @@ class MemoryEstimate:
         pass_io = self.step_pass_read_bytes / r + self.step_pass_write_bytes / w
         opt_io = (self.step_read_bytes - self.step_pass_read_bytes) / r + (
             self.step_write_bytes - self.step_pass_write_bytes) / w
-        fb = max(compute, pass_io)
+        fb = compute + pass_io if self.platform == "cpu" else max(compute, pass_io)
         return {"compute": compute, "pass_io": pass_io, "forward_backward": fb, "optimizer_io": opt_io,
                 "step": fb + opt_io}
 
@@ -320,7 +324,7 @@ def _estimate(d: _Digest, config: ZeroConfig, pt: str, ot: str, platform: str) -
         host_overhead_bytes=RUNTIME_OVERHEAD.get(platform, RUNTIME_OVERHEAD["gpu"])[1] + staging,
         n_devices=d.n_local, n_processes=d.n_processes, compute_dtype=d.compute_dtype, params=d.params,
         engine=where.engine, step_read_bytes=read, step_write_bytes=write, step_pass_read_bytes=pass_read,
-        step_pass_write_bytes=pass_write, step_flops=flops)
+        step_pass_write_bytes=pass_write, step_flops=flops, platform=platform)
 
 
 def _step_io(d: _Digest, config: ZeroConfig, pt: str, ot: str, grads_out: bool,

@@ -322,9 +322,10 @@ def test_matmul_flops_count_nested_programs():
 
 
 def test_step_seconds_by_phase():
-    """Forward+backward: the longer of compute and its disk traffic; optimizer: its reads plus its writes (one
-    disk); nvme tiers need the disk's bandwidth."""
-    est = estimate_from_sizes(None, 8, 2048, 256, 64, 8, n_devices=2, platform="cpu",
+    """Forward+backward: on accelerators the longer of compute and its disk traffic, on a CPU mesh (the same
+    cores compute and move the bytes) their sum; optimizer: its reads plus its writes (one disk); nvme tiers
+    need the disk's bandwidth."""
+    est = estimate_from_sizes(None, 8, 2048, 256, 64, 8, n_devices=2, platform="gpu",
                               configurations=[("nvme", "nvme"), ("cpu", "cpu")])
     disk, mem = est
     t = disk.step_seconds(0.04, 1.5, 2.0)
@@ -336,6 +337,10 @@ def test_step_seconds_by_phase():
     assert t["optimizer_io"] == pytest.approx(opt_read / 1.5e9 + opt_write / 2e9)
     assert t["step"] == pytest.approx(max(t["compute"], t["pass_io"]) + t["optimizer_io"])
     assert disk.step_seconds(1000.0, 1.5, 2.0)["forward_backward"] == pytest.approx(t["pass_io"])  # disk-bound
+    (cpu_disk,) = estimate_from_sizes(None, 8, 2048, 256, 64, 8, n_devices=2, platform="cpu",
+                                      configurations=[("nvme", "nvme")])
+    c = cpu_disk.step_seconds(0.04, 1.5, 2.0)
+    assert c["forward_backward"] == pytest.approx(c["compute"] + c["pass_io"]) and c["pass_io"] > 0
     assert mem.step_seconds(0.04) == {"compute": t["compute"], "pass_io": 0.0, "forward_backward": t["compute"],
                                       "optimizer_io": 0.0, "step": t["compute"]}
     with pytest.raises(ValueError, match="read_gbps"):
