@@ -95,8 +95,9 @@ def plot(runs: list[dict], png: Path) -> None:
     x = [r["params"] / 1e9 for r in runs]
     b.plot(x, [r["rss_growth"] / GiB for r in runs], "o-", label="peak RSS growth (GiB)")
     b.plot(x, [r["disk"]["bytes_per_param"] for r in runs], "s-", label="disk bytes / param")
-    b.axhline(4, color="gray", ls=":", label="4 GiB / 18 B per param targets")
-    b.axhline(18, color="gray", ls=":")
+    b.axhline(3, color="gray", ls=":", label="bars: 3 GiB RSS growth; 16 B/param fp32, 12 with bf16 moments")
+    b.axhline(16, color="gray", ls=":")
+    b.axhline(12, color="gray", ls=":")
     b.set_xlabel("parameters (billions)")
     b.legend(fontsize=7)
     b.set_title("host RAM and disk vs model size")
