@@ -105,8 +105,7 @@ class MemoryEstimate:
       engine: the engine these tiers run (``"compiled"`` or ``"streamed"``, see ``ZeroConfig.engine``). The
         device figures follow the streamed schedule (units gathered ``prefetch_depth`` ahead); a compiled
         engine's program reports its own: ``engine.lower(batch).compile().memory_analysis()``.
-      platform: the devices' platform (``"cpu"``, ``"gpu"``, ``"tpu"``): on ``"cpu"`` the devices are the
-        host's cores, which also move the tiers' bytes (see :meth:`step_seconds`).
+      platform: ``"cpu"``, ``"gpu"`` or ``"tpu"``: on ``"cpu"`` the devices also move the tiers' bytes.
     """
 
     param_tier: str
@@ -243,10 +242,7 @@ class _Digest:
 
 def _simulate(d: _Digest, depth: int, max_live: int | None, activations: str, grads_out: bool) -> tuple[dict, dict]:
     """Replays the prefetcher over the forward+backward schedule; the device and host peaks (local sums).
-
-    ``activations`` (``Placement.activations``) holds the saved activations on ``"device"``, on the host
-    (``"cpu"``), or on disk (``"nvme"``: in neither memory).
-    """
+    Saved activations count where ``activations`` (``Placement.activations``) keeps them (nvme: neither)."""
     sched = [u for u, _ in d.calls] + [u for u, _ in reversed(d.calls)]
     n, prefix = len(d.calls), np.cumsum([0] + [b for _, b in d.calls]).tolist()
     inflight: dict[int, int] = {}  # schedule position -> uid, fetched ahead
