@@ -77,13 +77,17 @@ class _Spilled:
     shape: tuple[int, ...]
     dtype: Any
     sharding: Any
-    files: dict[tuple, str]  # shard index (start, stop, step per dimension) -> file
+    files: dict[tuple, tuple[str, tuple[int, ...]]]  # shard index (start, stop, step a dimension) -> file, shape
     written: list[concurrent.futures.Future]
     read: dict[tuple, concurrent.futures.Future] | None = None
 
 
 def _key(index: tuple[slice, ...]) -> tuple:
     return tuple((s.start, s.stop, s.step) for s in index)
+
+
+def _spilled(tree: Any) -> list[_Spilled]:
+    return [x for x in jax.tree.leaves(tree, is_leaf=lambda v: isinstance(v, _Spilled)) if isinstance(x, _Spilled)]
 
 
 class OnDisk(OnDevice):
@@ -115,14 +119,14 @@ class OnDisk(OnDevice):
         return arr
 
     def _spill(self, x: jax.Array) -> _Spilled:
-        files: dict[tuple, str] = {}
+        files: dict[tuple, tuple[str, tuple[int, ...]]] = {}
         written = []
         for shard in x.addressable_shards:
             key = _key(shard.index)
             if key in files:
                 continue
-            files[key] = os.path.join(self.directory, f"{next(self._names)}.bin")
-            written.append(self._pool.submit(self._write, files[key], shard.data))
+            files[key] = (os.path.join(self.directory, f"{next(self._names)}.bin"), tuple(shard.data.shape))
+            written.append(self._pool.submit(self._write, files[key][0], shard.data))
         return _Spilled(tuple(x.shape), x.dtype, x.sharding, files, written)
 
     def park(self, tree: Any) -> Any:
@@ -133,21 +137,18 @@ class OnDisk(OnDevice):
     def _start_reads(self, s: _Spilled) -> None:
         if s.read is not None:
             return
-        shapes = {_key(idx): tuple(len(range(*sl.indices(n))) for sl, n in zip(idx, s.shape))
-                  for idx in s.sharding.addressable_devices_indices_map(s.shape).values()}
 
         def read(key: tuple) -> np.ndarray:
             for w in s.written:  # the file is whole before it is read
                 w.result()
-            return self._read(s.files[key], shapes[key], s.dtype)
+            return self._read(*s.files[key], s.dtype)
 
         s.read = {key: self._pool.submit(read, key) for key in s.files}
 
     def prefetch(self, tree: Any) -> None:
         """Starts reading ``tree``'s arrays back (the next backward's), behind the current unit's."""
-        for x in jax.tree.leaves(tree, is_leaf=lambda v: isinstance(v, _Spilled)):
-            if isinstance(x, _Spilled):
-                self._start_reads(x)
+        for x in _spilled(tree):
+            self._start_reads(x)
 
     def unpark(self, tree: Any) -> Any:
         def back(s: _Spilled) -> jax.Array:
@@ -164,12 +165,11 @@ class OnDisk(OnDevice):
                             is_leaf=lambda v: isinstance(v, _Spilled))
 
     def discard(self, tree: Any) -> None:
-        for x in jax.tree.leaves(tree, is_leaf=lambda v: isinstance(v, _Spilled)):
-            if isinstance(x, _Spilled):
-                concurrent.futures.wait([*x.written, *(x.read or {}).values()])
-                for path in x.files.values():
-                    with contextlib.suppress(FileNotFoundError):
-                        os.remove(path)
+        for x in _spilled(tree):
+            concurrent.futures.wait([*x.written, *(x.read or {}).values()])
+            for path, _ in x.files.values():
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
