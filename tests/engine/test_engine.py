@@ -199,6 +199,30 @@ def test_init_compiles_alike_blocks_once():
     assert compiles(8) == compiles(2) == compiles(8, 1 << 30)
 
 
+def test_init_compiles_its_first_and_last_programs_in_the_background():
+    """The first batch's program (a block) and the last's (the embeddings and final norm) compile in background
+    threads while the RNG chain's scalars are computed on the caller's; each init program compiles once, and
+    only those two compile off the caller's thread. (Values: test_init_unit_by_unit_equals_eager_bitwise.)"""
+    import threading
+    import jax.monitoring
+
+    where = []
+
+    def listen(event, duration, fun_name="", **kw):
+        if event == "/jax/core/compile/backend_compile_duration" and "init_batch" in fun_name:
+            where.append(threading.current_thread().name)
+
+    ad = nnx_adapter(gpt_ctor(4), THRESHOLD)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        build(ad, "cpu", threshold=THRESHOLD, init_batch_bytes=0)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    background = [w for w in where if w.startswith("zinf-init-compile")]
+    # a block's and the glue's in the background; the embedding unit's and the non-parameter state's here
+    assert len(background) == 2 and len(where) == 4, where
+
+
 def test_the_constructor_is_traced_once(tmp_path):
     """initialize, train, eval, model_state and a trainable filter all use one trace of the constructor (each
     trace of a deep model costs seconds, growing with depth squared)."""

@@ -23,12 +23,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Hashable, Iterator, Mapping, Protocol, Sequence
 
 import jax
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zinf_jax._internal import jax_private
+from zinf_jax._internal.futures import done_future
 from zinf_jax.errors import EngineError
 
 __all__ = ["InitTrace", "Hook", "HookSlot", "Adapter", "EngineError", "exact_jit_call", "leaf_paths", "get_path"]
@@ -120,6 +122,8 @@ class Adapter(Protocol):
 
     def init_params(self, paths: Sequence[str], transform: Callable, shardings: Sequence[Any]) -> list[jax.Array]: ...
 
+    def prepare_init(self, requests: Sequence[tuple[Sequence[str], Callable, Sequence[Any]]]) -> None: ...
+
     def init_state(self, sharding: Any) -> Any: ...
 
     def abstract_state(self) -> Any: ...
@@ -168,21 +172,29 @@ class InitTrace:
 
     The scalar equations (the RNG streams' counters and keys, a chain through the whole model) are
     evaluated once, eagerly, and enter each batch's program as arguments: the programs of alike
-    batches (a model's identical blocks) are then the same program, compiled once.
+    batches (a model's identical blocks) are then the same program, compiled once. A program needs
+    only the scalars' types, so :meth:`prepare` lowers programs and compiles them in background
+    threads (XLA's compiler releases the GIL) while the first :meth:`run` evaluates the scalars.
 
     Args:
       values: ``values() -> {name: array}``, every output (a parameter's path) of the constructed model.
       order: the names, in a fixed order; ``None``: the order ``values`` returns them in.
       region: ``region(fn, in_specs)``: runs the constructor's equations as the model's code (with the
         mesh's Explicit axes, when its code names shardings: see ``ModelMesh.region``); ``None``: as they are.
+      mesh: the mesh set (``jax.set_mesh``) while the constructor is traced and its scalars are evaluated
+        (then they are replicated over it); ``None``: none (they are uncommitted, on the default device).
 
     Attributes:
       avals: name -> the abstract value (shape, dtype) of each output, in the outputs' order.
     """
 
+    COMPILE_THREADS = 2
+    """Programs compiled at once by :meth:`prepare`."""
+
     def __init__(self, values: Callable[[], Mapping[str, Any]], order: Sequence[str] | None = None,
-                 region: Callable[[Callable, Any], Callable] | None = None):
+                 region: Callable[[Callable, Any], Callable] | None = None, mesh: Mesh | None = None):
         self._region = region
+        self._mesh = mesh
         names: list[str] = list(order) if order is not None else []
 
         def all_values() -> list[Any]:
@@ -191,75 +203,117 @@ class InitTrace:
                 names.extend(flat)
             return [flat[p] for p in names]
 
-        closed = jax_private.discharge_refs(jax.make_jaxpr(all_values)())  # a constructor may build with Refs
+        with self._evaluating():
+            closed = jax_private.discharge_refs(jax.make_jaxpr(all_values)())  # a constructor may build with Refs
         self._order = {p: i for i, p in enumerate(names)}
         self.avals = dict(zip(names, closed.out_avals))
         self._jaxpr = jax_private.convert_constvars_jaxpr(closed.jaxpr)  # constants become leading inputs
         self._consts = list(closed.consts)
-        self._scalars = self._eval_scalars()
-        self._compiled: dict[str, Any] = {}  # lowered program text -> compiled
-        self._by_body: dict[tuple, Any] = {}  # a batch's body text, argument and output types -> compiled
+        self._scalar_eqns, self._scalar_vars = self._find_scalars()
+        self._scalars: dict[Any, Any] | None = None  # their values, computed at the first run
+        self._compiled: dict[str, Future] = {}  # lowered program text -> compiled
+        self._by_body: dict[tuple, Future] = {}  # a batch's body text, argument and output types -> compiled
 
-    def _eval_scalars(self) -> dict[Any, Any]:
-        """The values of every equation whose inputs and outputs are all scalars, computed eagerly."""
-        known = {v: c for v, c in zip(self._jaxpr.invars, self._consts) if _is_scalar(v)}
+    def _find_scalars(self) -> tuple[list[Any], set[Any]]:
+        """The equations whose inputs and outputs are all scalars computable before any array (in order),
+        and every scalar variable they and the constants define."""
+        known = {v for v in self._jaxpr.invars[:len(self._consts)] if _is_scalar(v)}
+        eqns = []
         for eqn in self._jaxpr.eqns:
             if eqn.effects or not all(_is_scalar(v) for v in [*eqn.invars, *eqn.outvars]):
                 continue
-            if not all(isinstance(v, jax_private.Literal) or v in known for v in eqn.invars):
-                continue
-            ins = [v for v in eqn.invars if not isinstance(v, jax_private.Literal)]
-            one = jax_private.Jaxpr([], ins, list(eqn.outvars), [eqn], eqn.effects,
-                                    debug_info=_info("scalar", ins, eqn.outvars))
-            known.update(zip(eqn.outvars, jax_private.eval_jaxpr(one, [], *[known[v] for v in ins])))
+            if all(isinstance(v, jax_private.Literal) or v in known for v in eqn.invars):
+                eqns.append(eqn)
+                known.update(eqn.outvars)
+        return eqns, known
+
+    def _evaluating(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if self._mesh is None else jax.set_mesh(self._mesh)
+
+    def _eval_scalars(self) -> dict[Any, Any]:
+        """The values of the scalar variables (:meth:`_find_scalars`), computed eagerly."""
+        known = {v: c for v, c in zip(self._jaxpr.invars, self._consts) if v in self._scalar_vars}
+        with self._evaluating():
+            for eqn in self._scalar_eqns:
+                ins = [v for v in eqn.invars if not isinstance(v, jax_private.Literal)]
+                one = jax_private.Jaxpr([], ins, list(eqn.outvars), [eqn], eqn.effects,
+                                        debug_info=_info("scalar", ins, eqn.outvars))
+                known.update(zip(eqn.outvars, jax_private.eval_jaxpr(one, [], *[known[v] for v in ins])))
         return known
+
+    def prepare(self, requests: Sequence[tuple[Sequence[str], Callable[[str, Any], Any], Sequence[Any]]]) -> None:
+        """Starts compiling the programs of ``requests`` (``(paths, transform, shardings)`` as :meth:`run` takes
+        them) in background threads; :meth:`run` compiles what was not prepared itself."""
+        pool = ThreadPoolExecutor(self.COMPILE_THREADS, thread_name_prefix="zinf-init-compile")
+        try:
+            for paths, transform, shardings in requests:
+                self._program(paths, transform, shardings, pool.submit)
+        finally:
+            pool.shutdown(wait=False)  # its threads end once the compiles are done
 
     def run(self, paths: Sequence[str], transform: Callable[[str, Any], Any], shardings: Sequence[Any]) -> list[Any]:
         """``transform(path, value)`` of ``paths``, computed by one compiled program, placed with ``shardings``."""
+        compiled, consts, lifted = self._program(paths, transform, shardings, _now)
+        if self._scalars is None:  # (meanwhile the prepared programs compile)
+            self._scalars = self._eval_scalars()
+        return compiled.result()(*consts, *[self._scalars[v] for v in lifted])
+
+    def _program(self, paths: Sequence[str], transform: Callable[[str, Any], Any], shardings: Sequence[Any],
+                 submit: Callable[..., Future]) -> tuple[Future, list[Any], list[Any]]:
+        """The future of the compiled program of ``paths`` (compiled by ``submit(fn, ...)`` if new) and its
+        arguments: the constants, then the scalar variables whose values follow them."""
         want = [self._order[p] for p in paths]
         used = [False] * len(self._jaxpr.outvars)
         for i in want:
             used[i] = True
         jaxpr, used_in = jax_private.dce_jaxpr(self._jaxpr, used)
         consts = [c for c, u in zip(self._consts, used_in) if u]
-        env = dict(zip(jaxpr.invars, consts))
-        eqns = [e for e in jaxpr.eqns if not all(v in self._scalars for v in e.outvars)]
+        env = set(jaxpr.invars)
+        eqns = [e for e in jaxpr.eqns if not all(v in self._scalar_vars for v in e.outvars)]
         lifted = list(dict.fromkeys(v for e in eqns for v in e.invars
-                                    if not isinstance(v, jax_private.Literal) and v in self._scalars
+                                    if not isinstance(v, jax_private.Literal) and v in self._scalar_vars
                                     and v not in env))
         lifted += [v for v in dict.fromkeys(v for v in jaxpr.outvars if not isinstance(v, jax_private.Literal))
-                   if v in self._scalars and v not in env and v not in lifted]
+                   if v in self._scalar_vars and v not in env and v not in lifted]
         ins = [*jaxpr.invars, *lifted]
         body = jax_private.Jaxpr([], ins, list(jaxpr.outvars), eqns, jaxpr.effects,
                                  debug_info=_info("batch", ins, jaxpr.outvars))
-        args = [*consts, *[self._scalars[v] for v in lifted]]
         pos = {i: k for k, i in enumerate(sorted(set(want)))}  # the kept outputs stay in their order
 
         def evaluate(*xs):
             return jax_private.eval_jaxpr(body, [], *xs)
 
         if self._region is not None:
-            evaluate = self._region(evaluate, tuple(P() for _ in args))
+            evaluate = self._region(evaluate, tuple(P() for _ in ins))
 
-        def f(*xs):
+        def init_batch(*xs):
             outs = evaluate(*xs)
             return [transform(p, outs[pos[i]]) for p, i in zip(paths, want)]
 
         # Alike batches (a model's identical blocks) have the same body: found by its text, their program is
         # neither traced nor lowered again (each cost ~0.3 s per batch at 0.40B); else by the lowered text.
+        types = [*map(jax.typeof, consts), *(v.aval for v in lifted)]
         outs = [body.outvars[pos[i]].aval for i in want]
-        key = (str(body), tuple(pos[i] for i in want), tuple(jax.typeof(a) for a in args), tuple(shardings),
+        key = (str(body), tuple(pos[i] for i in want), tuple(types), tuple(shardings),
                tuple(jax.typeof(jax.eval_shape(functools.partial(transform, p), jax.ShapeDtypeStruct(o.shape, o.dtype)))
                      for p, o in zip(paths, outs)))
         compiled = self._by_body.get(key)
         if compiled is None:
-            lowered = jax.jit(f, out_shardings=list(shardings)).lower(*args)
+            here = None if self._mesh is None else NamedSharding(self._mesh, P())  # where the scalars will be
+            specs = [jax.ShapeDtypeStruct(t.shape, t.dtype, weak_type=t.weak_type, sharding=here)
+                     for t in types[len(consts):]]
+            lowered = jax.jit(init_batch, out_shardings=list(shardings)).lower(*consts, *specs)
             text = lowered.as_text()
             compiled = self._compiled.get(text)
             if compiled is None:
-                compiled = self._compiled[text] = lowered.compile(compiler_options=_EXACT)
+                compiled = self._compiled[text] = submit(lowered.compile, compiler_options=_EXACT)
             self._by_body[key] = compiled
-        return compiled(*args)
+        return compiled, consts, lifted
+
+
+def _now(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
+    """``fn(*args, **kwargs)`` run here, as a resolved future (what :meth:`InitTrace.run` compiles with)."""
+    return done_future(fn(*args, **kwargs))
 
 
 def kp_tuple(kp: Sequence[Any]) -> tuple[Any, ...]:

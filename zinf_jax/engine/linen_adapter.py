@@ -255,11 +255,17 @@ class LinenAdapter:
         return inputs[2], inputs[3]
 
     def init_params(self, paths: Sequence[str], transform: Callable, shardings: Sequence[Any]) -> list[jax.Array]:
+        return self._initialisers().run(paths, transform, shardings)
+
+    def prepare_init(self, requests: Sequence[tuple[Sequence[str], Callable, Sequence[Any]]]) -> None:
+        self._initialisers().prepare(requests)
+
+    def _initialisers(self) -> InitTrace:
         if self._init_trace is None:
             self._init_trace = InitTrace(
                 lambda: {path_str(p): v for p, v in traverse_util.flatten_dict(meta.unbox(self._init()["params"])).items()},
                 list(self.abstract_params))
-        return self._init_trace.run(paths, transform, shardings)
+        return self._init_trace
 
     def init_state(self, sharding: Any) -> Any:
         """The non-parameter collections (``batch_stats``, ...) as ``init`` creates them, replicated."""

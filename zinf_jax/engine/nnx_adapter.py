@@ -19,7 +19,6 @@ live for one pass only. Repeated calls append, like ``sow``'s default.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import threading
 from typing import Any, Callable, Hashable, Mapping, Sequence
@@ -279,8 +278,8 @@ class NnxAdapter:
             skeleton.extend([gdef, tree])
             return dict(zip(names, leaves))
 
-        with self._mesh.evaluating() if self._mesh is not None else contextlib.nullcontext():
-            trace = InitTrace(values, region=self._mesh.region if self._mesh is not None else None)
+        trace = InitTrace(values, region=self._mesh.region if self._mesh is not None else None,
+                          mesh=self._mesh.evaluation_mesh if self._mesh is not None else None)
         return trace, (skeleton[0], skeleton[1])
 
     def _abstract(self, values: Mapping[str, Any] | None = None) -> nnx.Module:
@@ -380,6 +379,9 @@ class NnxAdapter:
 
     def init_params(self, paths: Sequence[str], transform: Callable, shardings: Sequence[Any]) -> list[jax.Array]:
         return self._init_trace.run(paths, transform, shardings)
+
+    def prepare_init(self, requests: Sequence[tuple[Sequence[str], Callable, Sequence[Any]]]) -> None:
+        self._init_trace.prepare(requests)
 
     def _state_of(self, model: nnx.Module) -> Any:
         self._wrap(model)

@@ -99,12 +99,11 @@ class ModelMesh:
         with jax.sharding.use_abstract_mesh((self.user_mesh if self.explicit else self.mesh).abstract_mesh):
             yield
 
-    @contextlib.contextmanager
-    def evaluating(self) -> Iterator[None]:
-        """The context in which traced model code is evaluated eagerly, outside ``jit`` (the constructor's scalar
-        chain of RNG keys and counts): the user's mesh, concrete."""
-        with jax.set_mesh(self.user_mesh if self.explicit else self.mesh):
-            yield
+    @property
+    def evaluation_mesh(self) -> Mesh:
+        """The mesh set (``jax.set_mesh``) while traced model code is evaluated eagerly, outside ``jit`` (the
+        constructor's scalar chain of RNG keys and counts): the user's mesh, concrete."""
+        return self.user_mesh if self.explicit else self.mesh
 
     def typed(self, x: Any, spec: P) -> Any:
         """An abstract value of ``x``'s shape and dtype, typed with ``spec`` when the model has Explicit axes."""
