@@ -367,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         init_peak = sampler.read() - base
         result["params"] = n
         result["init"] = {"seconds": init_s, "bytes_written": init_bytes, "GBps": init_bytes / init_s / GB,
+                          "bytes_zeroed": sum(getattr(t, "bytes_zeroed", 0) for t in _tiers(eng).values() if t),
                           "ratio_to_raw_write": init_bytes / init_s / GB / raw["write_GBps"],
                           "rss_growth": init_peak}
         print(f"{n / 1e9:.2f}B params; init {init_s:.1f} s, {init_bytes / GB:.1f} GB "

@@ -287,3 +287,68 @@ def test_failed_in_place_write_leaves_a_refused_half_updated_tier(tiny_disk):
     tier.close()  # the failed write was reported by the commit; the slot's files stay (they are the only ones)
     with pytest.raises(TierDataError, match="half-updated.*--resume"):
         NvmeTier(tiny_disk, process_index=0, update="in_place")
+
+
+# ---------------------------------------------------------------- shards of zeros
+
+
+@pytest.mark.parametrize("update", ["double_slot", "in_place"])
+def test_put_zeros_allocates_the_files_and_reads_back_verified_zeros(tmp_path, update):
+    """put_zeros (a fresh optimizer's moments) reserves the chunk files' blocks instead of writing them: the
+    shards read as zeros, now and after a reopen, over data committed before (in place too); they are
+    checksummed like any write; nothing counts as bytes written."""
+    tier = _committed(tmp_path, "direct", update=update)
+    written = tier.bytes_written
+    for f in [tier.put_zeros("w", i) for i in range(SPEC.num_shards)]:
+        f.result()
+    assert tier.bytes_written == written and tier.bytes_zeroed == SPEC.num_shards * SPEC.shard_nbytes
+    zero = np.zeros(SPEC.shard_shape, np.float32)
+    assert all(tier.get("w", i).result().tobytes() == zero.tobytes() for i in range(SPEC.num_shards))
+    tier.commit({"step": 2})
+    files = sorted((_slot_dir(tier) / "c").rglob("0"))
+    files = [p for p in files if p.is_file()]
+    assert len(files) == 4 * SPEC.num_shards
+    for p in files:  # full size, blocks reserved (a full disk fails now, not at the first step)
+        st = p.stat()
+        assert st.st_size == CHUNK_BYTES and st.st_blocks * 512 >= CHUNK_BYTES, p
+    tier.close()
+    again = _open(tmp_path, "direct", update=update)
+    assert all(again.get("w", i).result().tobytes() == zero.tobytes() for i in range(SPEC.num_shards))
+    _flip_bit(files[5], 3)  # a zero shard is checksummed like any other
+    with pytest.raises(TierDataError, match="does not match its checksum"):
+        [again.get("w", i).result() for i in range(SPEC.num_shards)]
+    again.close()
+
+
+def test_put_zeros_of_small_shards_writes_them(tmp_path):
+    """Shards on tensorstore's route (and packed ones) are written as zeros like any put."""
+    tier = _committed(tmp_path, "tensorstore")
+    written = tier.bytes_written
+    for f in [tier.put_zeros("w", i) for i in range(SPEC.num_shards)]:
+        f.result()
+    assert tier.bytes_zeroed == 0 and tier.bytes_written == written + SPEC.num_shards * SPEC.shard_nbytes
+    tier.commit({"step": 2})
+    assert all(not tier.get("w", i).result().any() for i in range(SPEC.num_shards))
+    tier.close()
+
+
+def test_put_zeros_on_a_full_disk_fails_like_a_write(tiny_disk):
+    tier = NvmeTier(tiny_disk, process_index=0)
+    _write(tier, gen=1)
+    tier.commit({"step": 1})
+    committed = _files(tiny_disk)
+    big = ShardSpec(shard_shape=(512, 512), dtype="float32", num_shards=8)  # 8 MiB of zeros on a 4 MiB disk
+    tier.declare("big", big)
+    errors = []
+    for i in range(big.num_shards):
+        try:
+            errors.append(tier.put_zeros("big", i).exception())
+        except TierError as e:
+            errors.append(e)
+    errors = [e for e in errors if e is not None]
+    assert errors and all("disk full" in str(e) and "generation 1" in str(e) for e in errors), errors
+    with pytest.raises(TierError, match="disk full"):
+        tier.commit({"step": 2})
+    assert _files(tiny_disk) == committed  # the allocated files of the failed generation are gone
+    _read_ok(tier, gen=1)
+    tier.close()

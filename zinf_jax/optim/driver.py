@@ -146,7 +146,7 @@ class StreamedOptimizer:
         self._live = 0
         self.peak_live_buffers = 0  # most sub-group buffer sets in use at once, since construction
         self._scratch: np.ndarray | None = None  # grad conversion (non-float32 grads)
-        self._zeros: dict[str, np.ndarray] = {}  # dtype -> zeros: the zero grad, zero moments (read only)
+        self._zeros: np.ndarray | None = None  # the zero grad (read only)
         self._assembly: np.ndarray | None = None  # a multi-chunk shard handed to write_param
         self._assembly_pending: list[Future] = []
         self._on_written: Callable[[str], None] | None = None
@@ -183,17 +183,17 @@ class StreamedOptimizer:
         """The tier states of ``path``: ``"master"`` and the rule's (``"m"``, ``"v"`` for Adam)."""
         return self._names[path]
 
-    def _zero_buffer(self, dtype: str = "float32") -> np.ndarray:
-        """A read-only chunk of zeros in ``dtype`` (the moments' stored dtype for their initial state: converting
-        float32 zeros to bfloat16 at every put cost ~60 s of init at 4.5B)."""
-        zeros = self._zeros.get(dtype)
-        if zeros is None:  # calloc: pages never written cost no RAM; read-only as a guard
-            zeros = self._zeros[dtype] = np.zeros(self._max_chunk, np_dtype(dtype))
-            zeros.flags.writeable = False
-        return zeros
+    def _zero_buffer(self) -> np.ndarray:
+        """A read-only float32 chunk of zeros (a missing gradient, a master's padding)."""
+        if self._zeros is None:  # calloc: pages never written cost no RAM; read-only as a guard
+            self._zeros = np.zeros(self._max_chunk, np.float32)
+            self._zeros.flags.writeable = False
+        return self._zeros
 
     def init_shard(self, path: str, index: int, master: np.ndarray, *, wait: bool = True) -> list[Future]:
-        """Writes one shard's initial state: ``master`` and zero moments, chunk by chunk.
+        """Writes one shard's initial state: ``master`` and zero moments, chunk by chunk. Moments that start at zero
+        (the rule's ``init_states`` is ``None``: Adam's) go to :meth:`Tier.put_zeros` (the nvme tier allocates
+        their files instead of writing them: two thirds of init's bytes at fp32).
 
         Args:
           path: the parameter path.
@@ -211,7 +211,7 @@ class StreamedOptimizer:
         numel, chunk, n = self._numel[path], self._chunk[path], self._nch[path]
         if flat.shape[0] != numel:
             raise ValueError(f"master shard of {path!r} has {flat.shape[0]} elements, layout says {numel}")
-        zeros, moments = self._zero_buffer()[:chunk], self._zero_buffer(self.state_dtype)[:chunk]
+        zeros = self._zero_buffer()[:chunk]
         futs: list[Future] = []
         for c in range(n):
             part = np.ascontiguousarray(flat[c * chunk:(c + 1) * chunk], dtype=np.float32)
@@ -220,7 +220,8 @@ class StreamedOptimizer:
             futs.append(self.tier.put(f"master/{path}", index * n + c, part))
             states = self.rule.init_states(path, part)
             for k, s in enumerate(self._names[path][1:]):
-                futs.append(self.tier.put(f"{s}/{path}", index * n + c, moments if states is None else states[k]))
+                key, at = f"{s}/{path}", index * n + c
+                futs.append(self.tier.put_zeros(key, at) if states is None else self.tier.put(key, at, states[k]))
             if len(futs) >= 3 * self.buffer_count:  # bound the caller-visible memory in flight
                 futs.pop(0).result()
         if wait:

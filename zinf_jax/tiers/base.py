@@ -142,6 +142,10 @@ class Tier(Protocol):
         """Store shard ``index`` of ``key`` (numpy array or single-device jax.Array)."""
         ...
 
+    def put_zeros(self, key: str, index: int) -> Future:
+        """:meth:`put` of a shard of zeros (the nvme tier allocates its files instead of writing them)."""
+        ...
+
     def put_many(self, items: Sequence[tuple[str, int, Any]]) -> list[Future]:
         """:meth:`put` of several ``(key, index, value)`` shards (a device tier moves them in one transfer)."""
         ...

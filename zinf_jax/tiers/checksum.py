@@ -24,6 +24,7 @@ Invariants:
 """
 from __future__ import annotations
 
+import functools
 import threading
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -33,7 +34,7 @@ import xxhash
 
 from zinf_jax.tiers.base import TierDataError
 
-__all__ = ["ALGORITHM", "digest", "ShardSums", "diagnose", "damaged"]
+__all__ = ["ALGORITHM", "digest", "zero_digest", "ShardSums", "diagnose", "damaged"]
 
 ALGORITHM = "xxh3_64"
 """Name of the digest, stored in the manifest next to the digests."""
@@ -42,6 +43,12 @@ ALGORITHM = "xxh3_64"
 def digest(data: np.ndarray) -> str:
     """Hex XXH3-64 digest of the bytes of a C-contiguous array (the GIL is released while hashing)."""
     return xxhash.xxh3_64_hexdigest(data)
+
+
+@functools.lru_cache(maxsize=64)
+def zero_digest(nbytes: int) -> str:
+    """:func:`digest` of ``nbytes`` zero bytes (the chunk sizes of a run repeat: each is hashed once)."""
+    return digest(np.zeros(nbytes, np.uint8))
 
 
 class ShardSums:

@@ -154,6 +154,12 @@ class ChunkIO:
             return wrote
         return _both(wrote, self._hashers.submit(digest, data))
 
+    def allocate(self, path: Path, nbytes: int) -> Future:
+        """Makes ``path`` a file of ``nbytes`` zeros without writing them: emptied, then its blocks reserved with
+        ``posix_fallocate`` (the file system reads them as zeros; a full disk fails here, as a write would),
+        synced like a write. On failure the file is removed and the ``OSError`` names it."""
+        return self._writers.submit(self._allocate, path, nbytes)
+
     def read(self, path: Path, out: np.ndarray, *, digest: Callable[[np.ndarray], str] | None = None) -> Future:
         """Reads the first ``out.nbytes`` bytes of the file ``path`` into ``out`` (contiguous uint8).
 
@@ -213,6 +219,21 @@ class ChunkIO:
             self._write_file(path, data, padded)
         except OSError as e:
             with contextlib.suppress(OSError):  # half written: useless, and on a full disk it holds the space
+                path.unlink()
+            raise OSError(e.errno, e.strerror, str(path)) from e
+
+    def _allocate(self, path: Path, nbytes: int) -> None:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
+                os.ftruncate(fd, 0)  # (old data in place: allocating keeps it)
+                os.posix_fallocate(fd, 0, nbytes)
+                if self._sync:
+                    os.fdatasync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            with contextlib.suppress(OSError):
                 path.unlink()
             raise OSError(e.errno, e.strerror, str(path)) from e
 

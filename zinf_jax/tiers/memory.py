@@ -138,6 +138,11 @@ class _MemoryTier:
             self._puts[(key, index)] = fut
         return fut
 
+    def put_zeros(self, key: str, index: int) -> Future:
+        """:meth:`put` of a shard of zeros."""
+        spec = self.spec(key)
+        return self.put(key, index, np.zeros(spec.shard_shape, _np(spec.dtype)))
+
     def put_many(self, items: Sequence[tuple[str, int, Any]]) -> list[Future]:
         """Host shards stored, in the caller's thread: as jax.Arrays (see :meth:`_memory_kind`) in one
         ``device_put`` (one transfer call instead of one per shard), into numpy buffers by copies."""

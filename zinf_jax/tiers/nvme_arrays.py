@@ -9,6 +9,7 @@ shards are usually packed instead (:mod:`zinf_jax.tiers.nvme_packs`).
 from __future__ import annotations
 
 import shutil
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -16,7 +17,7 @@ import numpy as np
 import tensorstore as ts
 
 from zinf_jax.tiers.base import ShardSpec, np_dtype
-from zinf_jax.tiers.checksum import digest
+from zinf_jax.tiers.checksum import digest, zero_digest
 from zinf_jax.tiers.direct import ZARR3_CODECS, ZARR3_KEY_ENCODING, ChunkIO, chunk_files
 from zinf_jax.tiers.nvme_layout import chunk_shape, key_dir
 
@@ -137,6 +138,19 @@ class SlotArrays:
             path.parent.mkdir(parents=True, exist_ok=True)
             futs.append(self._io.write(path, data, padded, digest=hash_))
         return futs, None
+
+    def zero(self, files: ChunkFiles) -> tuple[list[Future], list[str] | None]:
+        """Issues the allocation of a shard of zeros whose every chunk file is large enough for the direct route
+        (:meth:`ChunkIO.allocate`): ``(futures, digests)`` as :meth:`write` returns them."""
+        futs = []
+        for path, _, padded in files:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            futs.append(self._io.allocate(path, padded))
+        return futs, [zero_digest(data.nbytes) for _, data, _ in files] if self._checksums else None
+
+    def zeroable(self, nbytes: int) -> bool:
+        """Whether a shard of ``nbytes`` takes the direct route (where :meth:`zero` applies)."""
+        return nbytes >= self._direct_min
 
     def read(self, h: ts.TensorStore, index: int, out: np.ndarray, files: ChunkFiles,
              verify: bool) -> tuple[list[Any], Callable[[Sequence[Any]], list[str]]]:
