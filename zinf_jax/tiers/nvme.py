@@ -66,10 +66,10 @@ from zinf_jax.tiers.checksum import ALGORITHM, ShardSums, damaged, diagnose, dig
 from zinf_jax.tiers.direct import aligned_empty
 from zinf_jax.tiers.keys import KeyRegistry
 from zinf_jax.tiers.nvme_arrays import ChunkFiles, SlotArrays
-from zinf_jax.tiers.nvme_packs import PACK_BELOW_BYTES, PACKS, Pack, PackedKeys
+from zinf_jax.tiers.nvme_packs import PACK_BELOW_BYTES, Pack, PackedKeys
 from zinf_jax.tiers.nvme_layout import (
-    FORMAT, MANIFEST, Generation, check_dir, half_updated, io_error, load_manifest, lock_dir, read_manifest,
-    syncfs, unlock, write_manifest,
+    FORMAT, MANIFEST, Generation, half_updated, io_error, open_process_dir, read_manifest, syncfs, unlock,
+    write_manifest,
 )
 
 __all__ = ["NvmeTier", "Generation", "read_manifest", "MANIFEST"]
@@ -143,27 +143,13 @@ class NvmeTier:
             raise ValueError(f"nvme tier update must be one of {accepted}, got {update!r}") from None
         if not mode.durable:  # nothing in it must survive a crash: no fsync
             sync = False
-        root = Path(path)
-        check_dir(root)
         if process_index is None:
             import jax
 
             process_index = jax.process_index()
-        self.dir = root / f"process_{process_index}"
-        self.dir.mkdir(exist_ok=True)
-        self._lockf = lock_dir(self.dir)
+        # a half-updated directory is refused here: see [Note: half-updated tier]
+        self.dir, self._lockf, state = open_process_dir(Path(path), process_index, durable=mode.durable)
         self.update = mode
-        try:
-            if not mode.durable:  # nothing in it outlives the process that wrote it
-                (self.dir / MANIFEST).unlink(missing_ok=True)
-                shutil.rmtree(self.dir / "data", ignore_errors=True)
-                shutil.rmtree(self.dir / PACKS, ignore_errors=True)
-            state = load_manifest(self.dir)
-            if state.in_progress is not None:  # See [Note: half-updated tier]
-                raise half_updated(self.dir, state.in_progress)
-        except TierError:
-            unlock(self._lockf)
-            raise
         self._state = Generation.CLEAN
         self._generation, self._meta, self._slot = state.generation, state.metadata, state.slot
         self._keys = KeyRegistry(self.kind, specs=state.specs, local=state.local, conflict=self._conflict)
@@ -292,9 +278,8 @@ class NvmeTier:
         return self._put(key, index, spec, arr, zeros=False)
 
     def put_zeros(self, key: str, index: int) -> Future:
-        """:meth:`put` of a shard of zeros. Its chunk files are allocated, not written (``posix_fallocate``: the
-        blocks are reserved and read as zeros), so a fresh optimizer's zero moments, two thirds of init's bytes,
-        cost neither disk bandwidth nor a copy; packed and small shards are written as usual."""
+        """:meth:`put` of a shard of zeros: its chunk files are allocated (``posix_fallocate``), not written; packed
+        and small shards are written as usual. A fresh optimizer's moments: two thirds of init's bytes at fp32."""
         spec = self._check(key, index)
         zeros = np.zeros(spec.shard_shape, np_dtype(spec.dtype))  # (calloc: its pages are never touched here)
         return self._put(key, index, spec, zeros, zeros=self._arrays.zeroable(zeros.nbytes))
@@ -310,10 +295,8 @@ class NvmeTier:
             fresh = 1 - self._slot.get(key, 1)
             slot = self._pending_slot.setdefault(key, fresh if double else self._slot.get(key, 0))
             self._written.setdefault(key, set()).add(index)
-            if zeros:
-                self.bytes_zeroed += arr.nbytes
-            else:
-                self.bytes_written += arr.nbytes
+            self.bytes_zeroed += arr.nbytes if zeros else 0
+            self.bytes_written += 0 if zeros else arr.nbytes
         try:  # (no handle yet: the first put of this generation, or one after a failed open)
             # in place over committed data: open the array as it is (never recreate it)
             committed = not double and key in self._slot

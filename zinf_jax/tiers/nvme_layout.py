@@ -31,6 +31,7 @@ import json
 import math
 import os
 import re
+import shutil
 import threading
 from pathlib import Path
 from typing import IO, Any, Mapping, Sequence
@@ -41,10 +42,11 @@ from zinf_jax._internal.fs import replace_json
 from zinf_jax.tiers.base import ShardSpec, TierDataError, TierError
 from zinf_jax.tiers.checksum import ALGORITHM
 from zinf_jax.tiers.direct import ALIGN
-from zinf_jax.tiers.nvme_packs import Pack
+from zinf_jax.tiers.nvme_packs import PACKS, Pack
 
 __all__ = ["MANIFEST", "FORMAT", "Committed", "Generation", "read_manifest", "load_manifest", "lock_dir", "unlock",
-           "io_error", "write_manifest", "half_updated", "check_dir", "chunk_shape", "syncfs", "key_dir"]
+           "io_error", "write_manifest", "half_updated", "check_dir", "chunk_shape", "syncfs", "key_dir",
+           "open_process_dir"]
 
 MANIFEST = "MANIFEST.json"
 FORMAT = "zinf_jax.nvme/2"
@@ -275,6 +277,32 @@ def unlock(f: IO[str]) -> None:
     """Releases a lock taken by :func:`lock_dir`."""
     fcntl.flock(f, fcntl.LOCK_UN)
     f.close()
+
+
+def open_process_dir(root: Path, process_index: int, *, durable: bool) -> tuple[Path, IO[str], Committed]:
+    """Opens one process's directory ``<root>/process_<i>`` (made if missing) for a tier: ``(directory, its lock,
+    the committed state)``. Not ``durable`` (scratch): whatever an earlier run left is deleted first.
+
+    Raises:
+      TierError: ``root`` is not a usable directory, or another job holds the lock.
+      TierDataError: the manifest is damaged, or the directory is half-updated (the lock is released).
+    """
+    check_dir(root)
+    process_dir = root / f"process_{process_index}"
+    process_dir.mkdir(exist_ok=True)
+    lock = lock_dir(process_dir)
+    try:
+        if not durable:  # nothing in it outlives the process that wrote it
+            (process_dir / MANIFEST).unlink(missing_ok=True)
+            shutil.rmtree(process_dir / "data", ignore_errors=True)
+            shutil.rmtree(process_dir / PACKS, ignore_errors=True)
+        state = load_manifest(process_dir)
+        if state.in_progress is not None:  # See [Note: half-updated tier] in zinf_jax.tiers.nvme
+            raise half_updated(process_dir, state.in_progress)
+    except TierError:
+        unlock(lock)
+        raise
+    return process_dir, lock, state
 
 
 def io_error(e: BaseException, what: str, where: str, process_dir: Path, generation: int,
