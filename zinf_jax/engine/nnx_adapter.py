@@ -279,7 +279,7 @@ class NnxAdapter:
             return dict(zip(names, leaves))
 
         trace = InitTrace(values, region=self._mesh.region if self._mesh is not None else None,
-                          mesh=self._mesh.evaluation_mesh if self._mesh is not None else None)
+                          mesh=self._mesh.code_mesh if self._mesh is not None else None)
         return trace, (skeleton[0], skeleton[1])
 
     def _abstract(self, values: Mapping[str, Any] | None = None) -> nnx.Module:

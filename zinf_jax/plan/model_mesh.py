@@ -96,13 +96,14 @@ class ModelMesh:
     def tracing(self) -> Iterator[None]:
         """The context in which the model's code is traced abstractly (the loss, the constructor): the user's
         mesh, its Explicit axes (if any) set; usable inside a trace as outside (an abstract mesh)."""
-        with jax.sharding.use_abstract_mesh((self.user_mesh if self.explicit else self.mesh).abstract_mesh):
+        with jax.sharding.use_abstract_mesh(self.code_mesh.abstract_mesh):
             yield
 
     @property
-    def evaluation_mesh(self) -> Mesh:
-        """The mesh set (``jax.set_mesh``) while traced model code is evaluated eagerly, outside ``jit`` (the
-        constructor's scalar chain of RNG keys and counts): the user's mesh, concrete."""
+    def code_mesh(self) -> Mesh:
+        """The mesh the model's own code sees: the user's, with its Explicit axes, when the code names shardings;
+        else the engine's. Abstract while the code is traced (:meth:`tracing`), set (``jax.set_mesh``) while
+        traced code is evaluated eagerly (the constructor's scalar chain of RNG keys and counts)."""
         return self.user_mesh if self.explicit else self.mesh
 
     def typed(self, x: Any, spec: P) -> Any:

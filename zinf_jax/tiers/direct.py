@@ -103,6 +103,17 @@ def aligned_empty(nbytes: int) -> np.ndarray:
     return raw[off : off + nbytes]
 
 
+def _removed_on_error(path: Path, make: Callable[..., None], *args: object) -> None:
+    """``make(path, *args)``; if it fails, the file is removed (half written: useless, and on a full disk it holds
+    the space) and the ``OSError`` names it."""
+    try:
+        make(path, *args)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            path.unlink()
+        raise OSError(e.errno, e.strerror, str(path)) from e
+
+
 class ChunkIO:
     """Thread pools reading and writing whole chunk files, with direct I/O where possible.
 
@@ -215,27 +226,20 @@ class ChunkIO:
         return min(self._stage_bytes, left), False
 
     def _write(self, path: Path, data: np.ndarray, padded: int) -> None:
-        try:
-            self._write_file(path, data, padded)
-        except OSError as e:
-            with contextlib.suppress(OSError):  # half written: useless, and on a full disk it holds the space
-                path.unlink()
-            raise OSError(e.errno, e.strerror, str(path)) from e
+        _removed_on_error(path, self._write_file, data, padded)
 
     def _allocate(self, path: Path, nbytes: int) -> None:
+        _removed_on_error(path, self._allocate_file, nbytes)
+
+    def _allocate_file(self, path: Path, nbytes: int) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-            try:
-                os.ftruncate(fd, 0)  # (old data in place: allocating keeps it)
-                os.posix_fallocate(fd, 0, nbytes)
-                if self._sync:
-                    os.fdatasync(fd)
-            finally:
-                os.close(fd)
-        except OSError as e:
-            with contextlib.suppress(OSError):
-                path.unlink()
-            raise OSError(e.errno, e.strerror, str(path)) from e
+            os.ftruncate(fd, 0)  # (old data in place: allocating keeps it)
+            os.posix_fallocate(fd, 0, nbytes)
+            if self._sync:
+                os.fdatasync(fd)
+        finally:
+            os.close(fd)
 
     def _write_file(self, path: Path, data: np.ndarray, padded: int) -> None:
         fd, direct = self._open(path, "write")
