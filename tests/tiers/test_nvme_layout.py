@@ -14,7 +14,7 @@ import pytest
 import tensorstore as ts
 
 from zinf_jax.tiers import NvmeTier, ShardSpec, TierDataError, TierError
-from zinf_jax.tiers.direct import ALIGN, ChunkIO, aligned_empty, chunk_ranges
+from zinf_jax.tiers.direct import ALIGN, ChunkIO, aligned_empty, chunk_ranges, untouched_zeros
 
 CASES = [
     # shard shape, dtype, chunk_bytes: cut on dim 0 with a partial last chunk; cut on an inner dim
@@ -96,6 +96,40 @@ def test_writer_pads_truncates_and_overwrites(tmp_path, nbytes, offset, stage):
     with pytest.raises(OSError, match="shorter"):
         w.read(path, np.empty(nbytes + 200, np.uint8)).result()
     w.close()
+
+
+def test_writer_makes_a_chunk_files_directory_and_the_reader_does_not(tmp_path):
+    """A chunk file's directory is made by the I/O thread that writes (or allocates) it; a read of a missing file
+    fails and makes nothing."""
+    io = ChunkIO(1, 1)
+    src = np.arange(3 * ALIGN, dtype=np.uint8)
+    io.write(tmp_path / "a" / "c" / "0" / "1", src, src.nbytes).result()
+    io.allocate(tmp_path / "b" / "c" / "2" / "0", 2 * ALIGN).result()
+    assert (tmp_path / "a" / "c" / "0" / "1").read_bytes() == src.tobytes()
+    assert (tmp_path / "b" / "c" / "2" / "0").read_bytes() == b"\0" * (2 * ALIGN)
+    with pytest.raises(FileNotFoundError):
+        io.read(tmp_path / "d" / "c" / "0", np.empty(ALIGN, np.uint8)).result()
+    assert not (tmp_path / "d").exists()
+    io.close()
+
+
+def _rss() -> int:
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc")
+def test_untouched_zeros_take_no_memory_and_cannot_be_written():
+    """put_zeros hands the tier zeros that cost neither a memset nor memory (np.zeros clears every byte of a block
+    malloc serves from its heap)."""
+    before = _rss()
+    z = untouched_zeros((64, 1 << 20), np.float32)  # 256 MiB
+    assert z.shape == (64, 1 << 20) and z.dtype == np.float32 and not z.flags.writeable
+    assert not z[::7, ::4096].any() and not z[-1].any()  # read: the kernel's zero page, still no memory
+    assert _rss() - before < 32 << 20
+    with pytest.raises(ValueError, match="read-only"):
+        z[0, 0] = 1
+    small = untouched_zeros((3,), np.int8)  # below a page: plain zeros
+    assert small.tolist() == [0, 0, 0] and not small.flags.writeable
 
 
 def test_writes_bypass_the_page_cache_on_a_disk(tmp_path):

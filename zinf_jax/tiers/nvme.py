@@ -63,7 +63,7 @@ from zinf_jax.plan.placement import UpdateMode
 from zinf_jax._internal.futures import all_of, done_future, failed_future
 from zinf_jax.tiers.base import ByteBudget, ShardSpec, TierDataError, TierError, np_dtype
 from zinf_jax.tiers.checksum import ALGORITHM, ShardSums, damaged, diagnose, digest
-from zinf_jax.tiers.direct import aligned_empty
+from zinf_jax.tiers.direct import aligned_empty, untouched_zeros
 from zinf_jax.tiers.keys import KeyRegistry
 from zinf_jax.tiers.nvme_arrays import ChunkFiles, SlotArrays
 from zinf_jax.tiers.nvme_packs import PACK_BELOW_BYTES, Pack, PackedKeys
@@ -280,8 +280,7 @@ class NvmeTier:
     def put_zeros(self, key: str, index: int) -> Future:
         """:meth:`put` of a shard of zeros: its chunk files are allocated (``posix_fallocate``), not written; packed
         and small shards are written as usual. A fresh optimizer's moments: two thirds of init's bytes at fp32."""
-        spec = self._check(key, index)
-        zeros = np.zeros(spec.shard_shape, np_dtype(spec.dtype))  # (calloc: its pages are never touched here)
+        zeros = untouched_zeros((spec := self._check(key, index)).shard_shape, np_dtype(spec.dtype))
         return self._put(key, index, spec, zeros, zeros=self._arrays.zeroable(zeros.nbytes))
 
     def _put(self, key: str, index: int, spec: ShardSpec, arr: np.ndarray, *, zeros: bool) -> Future:
@@ -306,11 +305,12 @@ class NvmeTier:
                 self._failed.append(err)
             raise
         files = self._arrays.chunk_files(key, slot, index, h, arr)
-        self.budget.acquire(arr.nbytes)
+        held = 0 if zeros else arr.nbytes  # (allocated zeros hold no memory: untouched_zeros)
+        self.budget.acquire(held)
         try:
             parts, sums = self._arrays.zero(files) if zeros else self._arrays.write(h, index, arr, files)
         except Exception as e:
-            self.budget.release(arr.nbytes)
+            self.budget.release(held)
             err = self._error(e, "writing", key, index, files[0][0])
             with self._lock:
                 self._failed.append(err)
@@ -321,7 +321,7 @@ class NvmeTier:
             if self._checksums:  # recorded before the write's future resolves: a read of it verifies
                 self._sums.record(key, index, got if sums is None else sums)
 
-        fut = self._track(parts, arr.nbytes, "writing", key, index, finish, files[0][0])
+        fut = self._track(parts, held, "writing", key, index, finish, files[0][0])
         with self._lock:
             self._inflight[(key, index)] = fut
         return fut

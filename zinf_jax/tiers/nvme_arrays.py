@@ -133,19 +133,12 @@ class SlotArrays:
             sums = [digest(d) for _, d, _ in files] if self._checksums else None
             return [h[index].write(arr).commit], sums
         hash_ = digest if self._checksums else None
-        futs = []
-        for path, data, padded in files:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            futs.append(self._io.write(path, data, padded, digest=hash_))
-        return futs, None
+        return [self._io.write(path, data, padded, digest=hash_) for path, data, padded in files], None
 
     def zero(self, files: ChunkFiles) -> tuple[list[Future], list[str] | None]:
         """Issues the allocation of a shard of zeros whose every chunk file is large enough for the direct route
         (:meth:`ChunkIO.allocate`): ``(futures, digests)`` as :meth:`write` returns them."""
-        futs = []
-        for path, _, padded in files:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            futs.append(self._io.allocate(path, padded))
+        futs = [self._io.allocate(path, padded) for path, _, padded in files]
         return futs, [zero_digest(data.nbytes) for _, data, _ in files] if self._checksums else None
 
     def zeroable(self, nbytes: int) -> bool:
