@@ -174,6 +174,27 @@ def test_init_unit_by_unit_equals_eager_bitwise(batch_bytes):
         assert got.tobytes() == eager[path].tobytes(), path
 
 
+def test_a_batch_program_keeps_what_jax_dce_keeps():
+    """A batch's equations are found by walking back from its outputs (not by DCE of the whole model's jaxpr for
+    every batch: quadratic in depth); reference: jax's own DCE of the whole jaxpr, scalar equations dropped."""
+    from zinf_jax._internal import jax_private
+
+    ad = nnx_adapter(gpt_ctor(4), THRESHOLD)
+    tr = ad._init_trace
+    whole = tr._jaxpr
+    for groups in param_batches(ad, 0):
+        want = [tr._order[p] for g in groups for p in g]
+        used = [i in want for i in range(len(whole.outvars))]
+        ref, ref_in = jax_private.dce_jaxpr(whole, used)
+        ref_eqns = [e for e in ref.eqns if not all(v in tr._scalar_vars for v in e.outvars)]
+        got, got_in = tr._slice(want)
+        assert got_in == ref_in
+        assert [e.primitive for e in got.eqns] == [e.primitive for e in ref_eqns]
+        assert [e.outvars for e in got.eqns] == [e.outvars for e in ref_eqns]
+        assert [e.invars for e in got.eqns] == [e.invars for e in ref_eqns]
+        assert got.outvars == ref.outvars and len(got.eqns) < len(whole.eqns) // 2
+
+
 def test_init_compiles_alike_blocks_once():
     """One program per unit, and alike units (identical blocks: their RNG counters and keys enter as arguments)
     share one compilation: init compiles as much for 8 blocks as for 2, in batches of one unit or of the whole
