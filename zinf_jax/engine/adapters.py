@@ -142,8 +142,11 @@ class Adapter(Protocol):
 
 # XLA's algebraic simplifier reassociates constant multiplies (x * sqrt2 * std), so a
 # jitted initialiser would differ in the last bit from eager construction. With it
-# off, the unit-by-unit init reproduces eager construction bit for bit.
-_EXACT = {"xla_disable_hlo_passes": "algsimp,constant_folding"}
+# off, the unit-by-unit init reproduces eager construction bit for bit. Copy insertion
+# with region analysis (off by default on CPU) drops the copies of the threefry loop
+# that XLA's CPU backend keeps rolled: the same bits, a block of the 1.61B GPT made
+# in 0.55-0.61 s instead of 0.66-0.73 s by a default jit (2 CPU devices).
+_EXACT = {"xla_disable_hlo_passes": "algsimp,constant_folding", "xla_cpu_copy_insertion_use_region_analysis": True}
 
 
 def exact_jit_call(fn: Callable[[], Any], out_shardings: Any) -> Any:
