@@ -33,7 +33,8 @@ from zinf_jax._internal import jax_private
 from zinf_jax._internal.futures import done_future
 from zinf_jax.errors import EngineError
 
-__all__ = ["InitTrace", "Hook", "HookSlot", "Adapter", "EngineError", "exact_jit_call", "leaf_paths", "get_path"]
+__all__ = ["InitTrace", "Hook", "HookSlot", "Adapter", "EngineError", "exact_jit_call", "EXACT_COMPILE_OPTIONS",
+           "leaf_paths", "get_path"]
 
 
 READ = "__read__:"
@@ -146,12 +147,13 @@ class Adapter(Protocol):
 # with region analysis (off by default on CPU) drops the copies of the threefry loop
 # that XLA's CPU backend keeps rolled: the same bits, a block of the 1.61B GPT made
 # in 0.55-0.61 s instead of 0.66-0.73 s by a default jit (2 CPU devices).
-_EXACT = {"xla_disable_hlo_passes": "algsimp,constant_folding", "xla_cpu_copy_insertion_use_region_analysis": True}
+EXACT_COMPILE_OPTIONS = {"xla_disable_hlo_passes": "algsimp,constant_folding",
+                         "xla_cpu_copy_insertion_use_region_analysis": True}
 
 
 def exact_jit_call(fn: Callable[[], Any], out_shardings: Any) -> Any:
     """Compiles ``fn`` (no arguments) with eager-exact arithmetic and runs it."""
-    return jax.jit(fn, out_shardings=out_shardings).lower().compile(compiler_options=_EXACT)()
+    return jax.jit(fn, out_shardings=out_shardings).lower().compile(compiler_options=EXACT_COMPILE_OPTIONS)()
 
 
 def _info(what: str, ins: Sequence[Any], outs: Sequence[Any]) -> Any:
@@ -349,7 +351,7 @@ class InitTrace:
             text = lowered.as_text()
             compiled = self._compiled.get(text)
             if compiled is None:
-                compiled = self._compiled[text] = submit(lowered.compile, compiler_options=_EXACT)
+                compiled = self._compiled[text] = submit(lowered.compile, compiler_options=EXACT_COMPILE_OPTIONS)
             self._by_body[key] = compiled
         return compiled, consts, lifted
 
