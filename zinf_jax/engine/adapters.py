@@ -21,7 +21,6 @@ This module holds what both frameworks share; :mod:`.nnx_adapter` and
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Hashable, Iterator, Mapping, Protocol, Sequence
@@ -294,9 +293,9 @@ class InitTrace:
             todo.extend(eqns_all[k].invars)
         eqns = [eqns_all[k] for k in sorted(kept)]
         consts = [v for v in const_vars if v in reached]
-        used = dict.fromkeys(v for v in [*(v for e in eqns for v in e.invars), *outvars]
+        read = dict.fromkeys(v for v in [*(v for e in eqns for v in e.invars), *outvars]
                              if not isinstance(v, jax_private.Literal))
-        free = [v for v in used if v not in is_const and self._producer.get(v) not in kept]  # the lifted scalars
+        free = [v for v in read if v not in is_const and self._producer.get(v) not in kept]  # the lifted scalars
         ins = [*consts, *free]
         cut = jax_private.Jaxpr([], ins, outvars, eqns, jax_private.join_effects(*(e.effects for e in eqns)),
                                 debug_info=_info("batch", ins, outvars))
