@@ -217,8 +217,8 @@ class InitTrace:
         self._scalars: dict[Any, Any] | None = None  # their values, computed at the first run
         self._compiled: dict[str, Future] = {}  # lowered program text -> compiled
         self._by_body: dict[tuple, Future] = {}  # a batch's body text, argument and output types -> compiled
-        self._producer: dict[Any, int] | None = None  # variable -> the index of the equation defining it
-        self._effects: list[int] = []  # the equations with effects
+        self._producer = {v: k for k, e in enumerate(self._jaxpr.eqns) for v in e.outvars}  # var -> its equation
+        self._effects = [k for k, e in enumerate(self._jaxpr.eqns) if e.effects]  # (jax's DCE keeps them)
 
     def _find_scalars(self) -> tuple[list[Any], set[Any]]:
         """The equations whose inputs and outputs are all scalars computable before any array (in order),
@@ -272,9 +272,6 @@ class InitTrace:
         jax's DCE then prunes the kept equations' own sub-jaxprs.
         """
         eqns_all = self._jaxpr.eqns
-        if self._producer is None:
-            self._producer = {v: k for k, e in enumerate(eqns_all) for v in e.outvars}
-            self._effects = [k for k, e in enumerate(eqns_all) if e.effects]  # (jax's DCE keeps them)
         const_vars = self._jaxpr.invars[:len(self._consts)]
         is_const = set(const_vars)
         outvars = [self._jaxpr.outvars[i] for i in want]
