@@ -438,7 +438,7 @@ def test_tier_grads_keep_small_shards_in_ram_and_write_large_ones(tmp_path):
 
 
 def test_optax_rule_compiles_once_per_distinct_program_and_keeps_path_masks(tmp_path):
-    """Alike paths share one compiled chunk program; a mask that tells two same-shape paths apart (by name)
+    """Alike paths share one compiled chunk program (update and init); a mask that tells two same-shape paths apart (by name)
     still gives each its own update, as optax on the whole tree."""
     shapes = {f"blocks/{i}/w": (16, 8) for i in range(4)}
     structs = {p: jax.ShapeDtypeStruct(s, jnp.float32) for p, s in shapes.items()}
@@ -457,7 +457,10 @@ def test_optax_rule_compiles_once_per_distinct_program_and_keeps_path_masks(tmp_
     for q in shapes:
         np.testing.assert_allclose(got[q], ref[q], rtol=1e-6, atol=1e-7, err_msg=q)
     assert not np.allclose(got["blocks/3/w"] - got["blocks/0/w"], params["blocks/3/w"] - params["blocks/0/w"])
-    assert len(opt.rule._by_text) == 2  # blocks 0-2 alike, block 3 without decay
+    distinct = lambda progs: len({id(p) for p in progs.values()})  # noqa: E731
+    assert distinct(opt.rule._progs) == 2  # updates: blocks 0-2 alike, block 3 without decay
+    assert distinct(opt.rule._inits) == 1  # the state's init: one for all four (its leaves carry no path names)
+    assert len(opt.rule._by_text) == 3
 
 
 def _nest_tx(tx):
