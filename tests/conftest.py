@@ -28,12 +28,16 @@ import pytest  # noqa: E402
 jax.config.update("jax_enable_x64", False)
 
 # Many tests build engines of the same small models: share their compiled programs
-# through a persistent compilation cache that lives for this test session only.
-_CACHE = tempfile.mkdtemp(prefix="zinf-test-jax-cache-")
+# through a persistent compilation cache that lives for this test session only. The
+# process that starts pytest makes it and names it in the environment, so the xdist
+# workers it spawns (and their files' alike models) share it too; it removes it at exit.
+_CACHE = os.environ.get("ZINF_TEST_SESSION_CACHE")
+if _CACHE is None:
+    _CACHE = os.environ["ZINF_TEST_SESSION_CACHE"] = tempfile.mkdtemp(prefix="zinf-test-jax-cache-")
+    atexit.register(shutil.rmtree, _CACHE, True)
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-atexit.register(shutil.rmtree, _CACHE, True)
 
 
 @pytest.fixture
