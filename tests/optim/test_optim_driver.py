@@ -438,8 +438,8 @@ def test_tier_grads_keep_small_shards_in_ram_and_write_large_ones(tmp_path):
 
 
 def test_optax_rule_compiles_once_per_distinct_program_and_keeps_path_masks(tmp_path):
-    """Alike paths share one compiled chunk program (update and init); a mask that tells two same-shape paths apart (by name)
-    still gives each its own update, as optax on the whole tree."""
+    """Alike paths share one compiled chunk program (update and init); a mask that tells two same-shape paths
+    apart (by name) still gives each its own update, as optax on the whole tree."""
     shapes = {f"blocks/{i}/w": (16, 8) for i in range(4)}
     structs = {p: jax.ShapeDtypeStruct(s, jnp.float32) for p, s in shapes.items()}
     lays = plan_partition(structs, make_mesh(), persistence_threshold=16)
