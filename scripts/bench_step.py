@@ -139,6 +139,8 @@ def main() -> None:
     args = ap.parse_args()
     tiers = [t for t in args.tiers.split(",") if t]
     out_path = args.out or REPO / "results" / f"bench_step_d{args.d_model}_L{args.layers}.json"
+    if args.dir is not None:
+        args.dir.mkdir(parents=True, exist_ok=True)  # a scratch dir named on the command line may not exist yet
     root = Path(tempfile.mkdtemp(prefix="zinf-bench-step-", dir=args.dir))
     cfg = GPTConfig(d_model=args.d_model, n_heads=args.heads, n_layers=args.layers, seq=args.seq, dropout=0.0)
     mesh = zinf.make_mesh()
