@@ -180,16 +180,7 @@ def create_only(args, compiler_options: dict | None = None) -> dict:
         n = mesh.size
         out = jax.tree.map(lambda s: NamedSharding(mesh, P("fsdp") if s.shape and s.shape[0] % n == 0 else P()),
                            shapes)
-        fn = jax.jit(build, out_shardings=out)
-        if compiler_options is None:
-            return fn
-        compiled = []
-
-        def call(key):  # compiled at its first call, inside the timed loop, as the plain jit is
-            if not compiled:
-                compiled.append(fn.lower(key).compile(compiler_options=compiler_options))
-            return compiled[0](key)
-        return call
+        return jax.jit(build, out_shardings=out, compiler_options=compiler_options)  # compiled at its first call
 
     block = jitted(lambda key: nnx.state(Block(cfg, rngs=nnx.Rngs(key)), nnx.Param))
     rest = jitted(lambda key: nnx.state(nnx.Dict(embed=nnx.Embed(cfg.vocab, cfg.d_model, rngs=nnx.Rngs(key)),
