@@ -3,6 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen as nn
 from flax import nnx
 from flax import traverse_util
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -112,6 +113,39 @@ def test_linen_blocks_as_units_with_a_positional_flag(tmp_path):
     sm = _linen_matches_value_and_grad(LinenMLP(), x, y, loss, "device", tmp_path,
                                        policy=UnitPolicy(patterns=(r"block_\d+",)))
     assert {"block_0", "block_1"} <= {u.path for u in sm.adapter.units}
+
+
+class _Pair(nn.Module):
+    """A unit with two outputs, the second of which the loss never reads."""
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(8, name="a")(x), nn.Dense(3, name="b")(x)
+
+
+class _Branches(nn.Module):
+    """Cotangents the backward walk must get right: an unused unit output, a unit whose output never
+    reaches the loss, and a value read twice (a residual)."""
+
+    @nn.compact
+    def __call__(self, x):
+        h, _ = _Pair()(x)
+        nn.Dense(5, name="dead")(x)
+        h = h + nn.Dense(8, name="mlp")(jnp.tanh(h))
+        return nn.Dense(3, name="head")(h)
+
+
+def test_unused_outputs_dead_units_and_residuals_get_the_gradients_of_value_and_grad(tmp_path):
+    x = jax.random.normal(jax.random.key(1), (8, 6))
+    y = jax.random.normal(jax.random.key(2), (8, 3))
+    loss = lambda apply, b: jnp.mean((apply(b[0]) - b[1]) ** 2)  # noqa: E731
+    sm = _linen_matches_value_and_grad(_Branches(), x, y, loss, "device", tmp_path,
+                                       policy=UnitPolicy(patterns=(r"_Pair_0", "dead", "mlp", "head")))
+    assert [u.path for u in sm.adapter.units] == ["_Pair_0", "dead", "mlp", "head"]
+    grads = streamed_grads(sm, [])
+    for path in ("dead/kernel", "dead/bias", "_Pair_0/b/kernel"):  # really zero, and really sent
+        assert path in grads and not np.any(grads[path]), path
+    assert np.any(grads["_Pair_0/a/kernel"])
 
 
 def test_forward_only_matches_and_under_jit_refuses():

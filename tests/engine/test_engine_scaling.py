@@ -88,8 +88,8 @@ def _eager_dispatches(n_layers, monkeypatch):
 
 def test_glue_runs_compiled_not_op_by_op(monkeypatch):
     # the embedding add, layer norms and the loss run as jitted segments between unit calls: the ops
-    # dispatched one by one are a few per pass (the backward's seed) and at most 2 per unit call (JAX
-    # summing the cotangents of the unit rules' anchor); eager glue was ~10 per layer
+    # dispatched one by one are a few per pass (the backward's seed) and at most 2 per unit call (the
+    # tape summing the cotangents of a value read twice: the residual stream); eager glue was ~10 per layer
     e2, s2, c2 = _eager_dispatches(2, monkeypatch)
     e6, s6, c6 = _eager_dispatches(6, monkeypatch)
     assert c6 == c2 + 4 and e2 <= 8 and e6 - e2 <= 2 * (c6 - c2), (e2, e6)

@@ -11,8 +11,9 @@ The modules, in data-flow order:
   :mod:`~zinf_jax.engine.prefetch` (the next units' reads in flight);
 * running units: :mod:`~zinf_jax.engine.programs` (one compiled program per unit signature),
   :mod:`~zinf_jax.engine.glue` (the loss traced once, cut at unit calls into compiled segments),
-  :mod:`~zinf_jax.engine.streamed` (the ``custom_vjp`` hooks: fetch, run, release; backward:
-  fetch, recompute, vjp), :mod:`~zinf_jax.engine.compiled` (the same traced loss as one XLA program
+  :mod:`~zinf_jax.engine.streamed` (the hooks: fetch, run, release; backward: fetch, recompute,
+  vjp), :mod:`~zinf_jax.engine.tape` (the training pass's reverse walk over the traced loss, calling
+  those hooks), :mod:`~zinf_jax.engine.compiled` (the same traced loss as one XLA program
   per step; :mod:`~zinf_jax.engine.runs` finds the runs of alike unit calls it scans),
   :mod:`~zinf_jax.engine.grads` (gradients reduce-scattered to a sink; freed host pages returned
   after a large unit's call by :mod:`zinf_jax._internal.native_memory`);
@@ -40,9 +41,12 @@ reports what the program applied). The *streamed* engine
 (:mod:`~zinf_jax.engine.streamed`) interprets it eagerly, because a parameter on nvme must be read
 between two unit programs. The parts below ``Components`` receive one of them as ``passes``.
 
-Design: the streamed engine is an eager interpreter. Each unit call of the wrapped model is a
-``jax.custom_vjp`` run outside ``jit``; JAX runs its rules on concrete arrays in call order
-(forward) and reverse call order (backward), so they may do I/O between unit programs. The unit
+Design: the streamed engine is an eager interpreter. Each unit call of the wrapped model is a hook
+run outside ``jit`` on concrete arrays, in call order (forward) and reverse call order (backward),
+so it may do I/O between unit programs. The reverse walk is the engine's own
+(:class:`~zinf_jax.engine.tape.Tape`: each glue segment's vjp compiled, the unit hooks called in
+turn), computing what an outer ``jax.vjp`` over a ``jax.custom_vjp`` per unit call would (the
+design's first form, whose per-call tracing cost ~45 ms of a 300 ms small-model step). The unit
 order is known after one abstract trace (a static plan, not a recording). The parts receive one
 frozen ``Components`` object, never the public ``Engine`` (:mod:`zinf_jax.api`), which only
 delegates to them.

@@ -2,7 +2,7 @@
 
 Where the parameters fit in device memory (``offload_param="none"``) or host memory (``"cpu"``),
 nothing needs to happen between two units that a program cannot do itself, so the eager
-interpreter of :mod:`~zinf_jax.engine.streamed` (a ``custom_vjp`` per unit call, each unit program
+interpreter of :mod:`~zinf_jax.engine.streamed` (hooks around every unit call, each unit program
 finished before the next is dispatched) only costs time. Here the same traced loss
 (:class:`~zinf_jax.engine.glue.TraceCache`: unit calls as ``zinf_unit_call`` equations) is turned
 into one jitted function of the parameters' stored shards:

@@ -8,10 +8,10 @@ the batch) into a jaxpr in which every unit call is a single
 segments in order and hands each unit call to the engine, which fetches the
 unit's parameters and runs its own compiled program.
 
-Under the engine's outer :func:`jax.vjp` a jitted segment is one compiled
-program forward and one backward (JAX splits a ``jit`` call into its known and
-linear parts), so a step dispatches a small constant number of programs per
-unit instead of every embedding add, layer norm and loss op one by one.
+In a training pass each segment is one compiled program forward (returning its
+residuals) and one backward (:mod:`~zinf_jax.engine.tape`), so a step
+dispatches a small constant number of programs per unit instead of every
+embedding add, layer norm and loss op one by one.
 
 As under ``jax.jit``, Python side effects of the loss run once, at trace time,
 and arrays it closes over are captured as constants.
@@ -124,7 +124,9 @@ class _Step:
     eqns: list[Any] | None  # the segment's equations; None for a unit call
     call: int = -1          # index into the recorded calls
     fn: Callable | None = None  # the jitted segment
+    body: Callable | None = None  # the segment's function (``fn`` is its jit; :mod:`~zinf_jax.engine.tape` differentiates it)
     effects: Any = frozenset()
+    vjp: Any = None  # the segment's vjp programs (:class:`~zinf_jax.engine.tape.SegmentVjp`), built at first use
 
 
 class GlueProgram:
@@ -191,7 +193,7 @@ class GlueProgram:
                 fn = _as_fun(core.ClosedJaxpr(sub, []))
                 if self._model_mesh is not None:
                     fn = self._model_mesh.region(fn, tuple(spec_of(v.aval) for v in s.ins))
-                s.fn = jax.jit(fn)
+                s.body, s.fn = fn, jax.jit(fn)
         for v, i in last.items():
             if v not in keep:
                 self.steps[i].drop.append(v)
@@ -204,14 +206,21 @@ class GlueProgram:
         """The loss's flat output variables."""
         return list(self._outvars)
 
+    @property
+    def invars(self) -> list[Any]:
+        """The loss's flat input variables (glue parameters, model state, batch)."""
+        return list(self._invars)
+
     def __call__(self, args: Sequence[Any], call_unit: Callable[[int, list[Any]], list[Any]],
                  runs: Sequence[Any] = (), call_run: Callable[[Any, list[list[Any]]], list[list[Any]]] | None = None,
-                 ) -> list[Any]:
+                 call_segment: Callable[[int, list[Any]], Sequence[Any]] | None = None) -> list[Any]:
         """The loss's flat outputs; ``call_unit(k, dyn)`` runs recorded call ``k`` and returns its flat outputs.
 
         ``runs`` (:class:`~zinf_jax.engine.runs.Run` objects over :attr:`steps`) are run by ``call_run(run, ins)``
         instead, ``ins`` holding each call's inputs (``None`` where the previous call's output is
         carried); it returns each call's outputs (``None`` where nothing after the run reads one).
+        ``call_segment(i, ins)`` runs glue step ``i`` instead of its jitted function (the tape's
+        forward, which keeps the segment's residuals).
         """
         env = dict(self._consts)
         env.update(zip(self._invars, args))
@@ -243,7 +252,7 @@ class GlueProgram:
             ins = [read(v) for v in s.ins]
             if s.eqns is not None:
                 with TraceAnnotation("zinf/glue"):
-                    outs = s.fn(*ins)
+                    outs = s.fn(*ins) if call_segment is None else call_segment(i, ins)
             else:
                 outs = call_unit(s.call, ins)
             del ins

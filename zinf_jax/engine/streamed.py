@@ -1,8 +1,8 @@
 """The streamed forward and backward: hooks around every unit call.
 
-Each unit call of the wrapped model becomes a ``jax.custom_vjp`` call. Outside
-``jit``, JAX runs its forward rule in call order and its backward rule in
-reverse call order on concrete arrays, so the rules may do I/O:
+A training pass runs the traced loss (:mod:`zinf_jax.engine.glue`) forward and then walks it
+backward (:class:`~zinf_jax.engine.tape.Tape`), both outside ``jit`` on concrete arrays, calling
+the hooks of each unit call in call order and then in reverse call order, so they may do I/O:
 
 * forward: take the unit's shards from the prefetcher, run the compiled unit
   program (all-gather inside), keep the unit's inputs as the activation
@@ -13,10 +13,9 @@ reverse call order on concrete arrays, so the rules may do I/O:
 
 Glue code between units (residual adds, small persistent layers, the loss) is
 traced once per input signature and runs as compiled segments between the unit
-calls (:mod:`zinf_jax.engine.glue`); its gradients come from the same
-``jax.vjp``. With ``activation_checkpointing=False`` the forward keeps what each
-unit's backward needs instead of its inputs, and the backward neither
-recomputes nor fetches.
+calls; in a training pass each segment's vjp is compiled too (the tape). With
+``activation_checkpointing=False`` the forward keeps what each unit's backward
+needs instead of its inputs, and the backward neither recomputes nor fetches.
 
 A unit call arrives as ``hook(uid, method, inputs)`` from the adapter's wrapped
 model (the hook is passed to :meth:`Adapter.run` for one pass, never installed
@@ -48,6 +47,7 @@ from zinf_jax.engine.overlap import WriteGate
 from zinf_jax.engine.prefetch import Prefetcher
 from zinf_jax.engine.programs import Penalty, UnitPrograms, model_call
 from zinf_jax.engine.store import ParamStore
+from zinf_jax.engine.tape import Tape
 from zinf_jax.plan.model_mesh import ModelMesh
 from zinf_jax.plan.units import Plan
 
@@ -107,13 +107,26 @@ def _nbytes_on_devices(tree: Any) -> int:
     """Bytes of ``tree``'s arrays in this process's device memory (every local copy counted)."""
     total = 0
     for x in jax.tree.leaves(tree):
-        if isinstance(x, jax.Array) and x.sharding.memory_kind in (None, "device"):
-            if jnp.issubdtype(x.dtype, jax.dtypes.extended):  # typed PRNG keys: ask the shards
-                total += sum(s.data.nbytes for s in x.addressable_shards)
-            else:  # without building a shard object per device
-                shard = math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-                total += shard * len(x.sharding.addressable_devices)
+        if isinstance(x, jax.Array):
+            key = (x.sharding, x.shape, x.dtype)
+            n = _DEVICE_BYTES.get(key)
+            if n is None:  # worked out once per sharding, shape and dtype: ~1 ms a unit call otherwise
+                n = _device_bytes(x)
+                if len(_DEVICE_BYTES) < 4096:  # bounded: a model of ever-new shapes only misses
+                    _DEVICE_BYTES[key] = n
+            total += n
     return total
+
+
+_DEVICE_BYTES: dict[tuple, int] = {}  # see _nbytes_on_devices
+
+
+def _device_bytes(x: jax.Array) -> int:
+    if x.sharding.memory_kind not in (None, "device"):
+        return 0
+    if jnp.issubdtype(x.dtype, jax.dtypes.extended):  # typed PRNG keys: ask the shards
+        return sum(s.data.nbytes for s in x.addressable_shards)
+    return math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize * len(x.sharding.addressable_devices)
 
 
 class StreamedModel:
@@ -186,7 +199,6 @@ class StreamedModel:
         self.state = adapter.init_state(NamedSharding(self.mesh, P()))
         self.plan: Plan | None = None
         self._pass: _Pass | None = None
-        self._vjp_fns: dict[tuple, Callable] = {}
         self._traces = TraceCache(tuple(self.units))
         self.peak_device_bytes = 0
         self.peak_live_array_bytes = 0
@@ -246,22 +258,28 @@ class StreamedModel:
             self.sink.clear()
         p, traced = self._begin(loss_fn, batch, glue, _Pass(Phase.TRAIN, train=True, loss_scale=loss_scale))
         try:
-            def f(g, anchor):
-                call = functools.partial(self._run_call, p, anchor, traced.program.calls)
-                out, new_state, batch_state = traced.unflatten(traced.program([*g, *traced.args[len(g):]], call))
-                loss, aux = out if has_aux else (out, None)
-                if self.param_loss is not None:
-                    loss = loss + self.glue_penalty(g) + p.penalty
-                return loss, (aux, new_state, batch_state)
-
-            loss, vjp, (aux, new_state, batch_state) = jax.vjp(
-                f, list(glue), jnp.zeros((), jnp.float32), has_aux=True)
+            tape = Tape(traced.program)
+            calls = traced.program.calls
+            outs = tape.forward([*glue, *traced.args[len(glue):]], functools.partial(self._run_saving, p, calls))
+            out, new_state, batch_state = traced.unflatten(outs)
+            loss, aux = out if has_aux else (out, None)
             if jnp.shape(loss) != ():
                 raise EngineError(f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}; reduce it "
                                   "(e.g. jnp.mean) — nothing was applied")
+            seed = jnp.full_like(loss, loss_scale)
+            if self.param_loss is not None:
+                pen, pen_vjp = jax.vjp(self.glue_penalty, list(glue))
+                loss = loss + pen + p.penalty
             if before_backward is not None:
                 before_backward()
-            g_glue, _ = vjp(jnp.full_like(loss, loss_scale))
+            at = traced.unflatten(list(range(len(outs))))[0]  # the loss's position among the flat outputs
+            at = at[0] if has_aux else at
+            cts = tape.backward([seed if i == at else None for i in range(len(outs))],
+                                functools.partial(self._run_backward, p, calls))
+            g_glue = [jnp.zeros(jnp.shape(x), jax.typeof(x).dtype) if g is None else g
+                      for x, g in zip(glue, cts[:len(glue)])]
+            if self.param_loss is not None:
+                g_glue = [a + b for a, b in zip(g_glue, pen_vjp(seed)[0])]
             rep = NamedSharding(self.mesh, P())  # the model's own code may leave them split (tensor parallelism)
             g_glue = [g if g.sharding.is_fully_replicated else jax.device_put(g, rep) for g in g_glue]
         finally:
@@ -281,7 +299,7 @@ class StreamedModel:
         """
         p, traced = self._begin(loss_fn, batch, glue, _Pass(Phase.EVAL, train=train))
         try:
-            call = functools.partial(self._run_call, p, None, traced.program.calls)
+            call = functools.partial(self._run_call, p, traced.program.calls)
             out, new_state, batch_state = traced.unflatten(traced.program(traced.args, call))
         finally:
             self._end(p)
@@ -306,35 +324,26 @@ class StreamedModel:
         p.saved.clear()
         self.prefetcher.finish()
 
-    def _run_call(self, p: _Pass, anchor: Any, calls: Sequence[UnitCall], k: int, dyn: list) -> list:
-        """Runs traced unit call ``k`` of a pass (forward only without ``anchor``); its flat outputs."""
+    def _run_call(self, p: _Pass, calls: Sequence[UnitCall], k: int, dyn: list) -> list:
+        """Runs traced unit call ``k`` of a forward-only pass; its flat outputs."""
+        self._check_pass(p)
+        c = calls[k]
+        return c.out_tree.flatten_up_to(self._forward(p, c.uid, c.method, c.sig, dyn))
+
+    def _run_saving(self, p: _Pass, calls: Sequence[UnitCall], k: int, dyn: list) -> list:
+        """The forward of traced unit call ``k`` of a training pass, saving for its backward; its flat outputs."""
+        self._check_pass(p)
+        c = calls[k]
+        return c.out_tree.flatten_up_to(self._forward(p, c.uid, c.method, c.sig, dyn, save=True))
+
+    def _run_backward(self, p: _Pass, calls: Sequence[UnitCall], k: int, g: list) -> list:
+        """The backward of traced unit call ``k``: ``g`` per flat output (``None`` for integer ones)."""
+        c = calls[k]
+        return self._backward(p, c.uid, c.method, c.sig, g)
+
+    def _check_pass(self, p: _Pass) -> None:
         if self._pass is not p:
             raise EngineError("a unit of the wrapped model was called outside engine.train_step/eval_step")
-        c = calls[k]
-        if anchor is None:  # forward only: no backward rule needed
-            out = self._forward(p, c.uid, c.method, c.sig, dyn)
-        else:
-            fn = self._vjp_fns.get((c.uid, c.method, c.sig, p.train))
-            if fn is None:
-                fn = self._vjp_fns[(c.uid, c.method, c.sig, p.train)] = self._make_vjp(p.train, c.uid, c.method, c.sig)
-            out = fn(dyn, anchor)
-        return c.out_tree.flatten_up_to(out)
-
-    def _make_vjp(self, train: bool, uid: int, method: str, sig: tuple) -> Callable:
-        # ``anchor`` is a float scalar tied to the outer vjp: without it a unit whose
-        # inputs are all integers (an embedding lookup) would get no backward call.
-        @jax.custom_vjp
-        def unit(dyn, anchor):
-            return self._forward(self._pass, uid, method, sig, dyn)
-
-        def unit_fwd(dyn, anchor):
-            return self._forward(self._pass, uid, method, sig, dyn, save=True), None
-
-        def unit_bwd(_, g):
-            return self._backward(self._pass, uid, method, sig, g), np.zeros((), np.float32)
-
-        unit.defvjp(unit_fwd, unit_bwd)
-        return unit
 
     def _unit_fn(self, uid: int, method: str, sig: tuple, train: bool) -> Callable:
         """The adapter's unit function of the array inputs, with the static leaves put back (a region of the
@@ -416,7 +425,7 @@ class StreamedModel:
             self.sink.add_many([k for k, _ in kept], [x for _, x in kept])
         del gp, kept
         self._release_host(uid)
-        out = [np.zeros(shape, jax.dtypes.float0) for shape, _ in inputs]
+        out: list[Any] = [None] * len(inputs)  # no cotangent for integer inputs
         for i, d in zip([i for i, (_, dt) in enumerate(inputs) if jnp.issubdtype(dt, jnp.inexact)], gd):
             out[i] = d
         return out
