@@ -27,6 +27,7 @@ Where things live, in data-flow order (each package's ``__init__`` maps its modu
   engine/      hooks and executors: adapters, init, store, prefetch, glue, streamed, build, stepping
   checkpoint/  format (on-disk names), state, save, restore, integrity, policies, retention
   api.py       initialize / restore / Engine;  estimate.py: memory per tier before building
+               (estimate_step.py: one step replayed, its device/host peaks and disk bytes)
   _internal/   the one jax._src fence, durable files, futures, multi-host, formatting
   app/         the zinf-jax command and its main job (the library never imports it)
 """

@@ -6,7 +6,8 @@ uses real units and layouts (nothing initialised), :func:`estimate_from_sizes` a
 The ``*_bytes`` fields count the state *held by zinf* at its peak, not the RSS:
 
 * device: the gathered unit (whole, compute dtype, on every device), stored shards of
-  the current and ``prefetch_depth`` next units, unit-boundary activation checkpoints
+  the current and ``prefetch_depth`` next units (and of units of whole params between their
+  forward and backward calls), unit-boundary activation checkpoints
   (one per unit call, unless ``offload_activations``), unit state, persistent params;
   with params on ``none`` the param tier.
 * host: the cpu param tier, fp32 master/m/v (12 B/param), the grad sink (4 B/param; with
@@ -31,11 +32,11 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from zinf_jax._internal.flops import matmul_flops
 from zinf_jax._internal.fmt import human_bytes
 from zinf_jax.config import ZeroConfig
+from zinf_jax.estimate_step import StepDigest, simulate, step_io
 from zinf_jax.engine.wrap import make_adapter, trainable_paths
 from zinf_jax.optim.grads_out import IN_RAM_BELOW
 from zinf_jax.optim.subgroups import PACK_BELOW, PACK_ELEMENTS, pool_geometry, sub_groups
@@ -204,68 +205,6 @@ class MemoryEstimate:
         return all(self.fits_tiers(machine).values())
 
 
-@dataclasses.dataclass(frozen=True)
-class _Digest:
-    """Everything the estimate needs about one model on one process (bytes unless noted)."""
-
-    n_local: int  # devices of this process
-    n_idx: int  # shard indices of this process (devices holding distinct shards)
-    n_processes: int
-    compute_dtype: str
-    params: int  # elements
-    unit_held: tuple[int, ...]  # a unit's stored shards on the local devices
-    unit_gathered: tuple[int, ...]  # a whole unit times the local devices
-    unit_grad: tuple[int, ...]  # float32 of a unit's local shards
-    calls: tuple[tuple[int, int], ...]  # (uid, checkpoint bytes on the local devices) per unit call
-    rests: int  # non-parameter unit state, local devices
-    glue: int  # persistent params outside units, local devices
-    store: int  # param shards of this process in the tier (one copy)
-    store_sharded: int  # the part of ``store`` split over devices
-    store_disk: int  # chunk files of one param slot
-    store_disk_trained: int  # the part of ``store_disk`` that trained params take (fp32: the master replaces it)
-    store_io_trained: int  # bytes a step writes of them (packed shards without their page padding)
-    grad: int  # grad sink
-    grad_ram: int  # with gradients out: the small shards kept in host RAM (grads_out.IN_RAM_BELOW)
-    grad_disk: int  # with gradients out: the scratch tier's files (the other shards' chunks and key metadata)
-    grad_io: int  # bytes a step writes (and reads back) of them
-    opt: int  # master + m + v
-    opt_disk: int  # chunk and pack files of one optimizer slot
-    opt_io: int  # bytes a step reads (and writes) of them
-    groups: int  # the optimizer's units of work: sub-groups, small whole shards in packs (optim.driver)
-    max_chunk: int  # elements of one buffer set: the largest sub-group or pack
-    packs: bool  # a pack's gradient is gathered into its buffer set (one more array)
-    assembly: int  # driver's multi-chunk shard buffer
-    param_meta: int  # nvme metadata of the param tier
-    workspace: int  # XLA working set per device (transient guess)
-    forward_flops: int  # matrix products of one forward over the whole job's batch
-
-
-def _simulate(d: _Digest, depth: int, max_live: int | None, activations: str, grads_out: bool) -> tuple[dict, dict]:
-    """Replays the prefetcher over the forward+backward schedule; the device and host peaks (local sums).
-    Saved activations count where ``activations`` (``Placement.activations``) keeps them (nvme: neither)."""
-    sched = [u for u, _ in d.calls] + [u for u, _ in reversed(d.calls)]
-    n, prefix = len(d.calls), np.cumsum([0] + [b for _, b in d.calls]).tolist()
-    inflight: dict[int, int] = {}  # schedule position -> uid, fetched ahead
-    dev_best, host_best, grads_done = {}, {}, set()
-    for p, uid in enumerate(sched):
-        inflight.pop(p, None)
-        held = lambda: sum(d.unit_held[u] for u in {uid, *inflight.values()})  # noqa: E731
-        for q in range(p + 1, min(len(sched), p + 1 + depth)):  # Prefetcher._fill after take()
-            new = q not in inflight and sched[q] != uid and sched[q] not in inflight.values()
-            if new and max_live is not None and held() + d.unit_held[sched[q]] > max_live:
-                break
-            inflight.setdefault(q, sched[q])
-        saved = prefix[p] if p < n else prefix[2 * n - 1 - p]  # a backward call pops its checkpoint first
-        dev = {"gathered_unit": d.unit_gathered[uid], "prefetched_shards": held(),
-               "activations": saved if activations == "device" else 0}
-        host = {"activations": saved if activations == "cpu" else 0,
-                "grad_sink": d.unit_grad[uid] if grads_out and p >= n else sum(d.unit_grad[u] for u in grads_done)}
-        dev_best = max(dev_best, dev, key=lambda x: sum(x.values()))
-        host_best = max(host_best, host, key=lambda x: sum(x.values()))
-        grads_done |= {uid} if p >= n else set()
-    return dev_best, host_best
-
-
 def _moment_bytes(config: ZeroConfig) -> int:
     """Bytes of one stored moment element (``ZeroConfig.moments_dtype``)."""
     return 2 if config.moments_dtype == "bfloat16" else 4
@@ -276,13 +215,13 @@ def _state_bytes(config: ZeroConfig) -> int:
     return 4 + 2 * _moment_bytes(config)
 
 
-def _estimate(d: _Digest, config: ZeroConfig, pt: str, ot: str, platform: str) -> MemoryEstimate:
+def _estimate(d: StepDigest, config: ZeroConfig, pt: str, ot: str, platform: str) -> MemoryEstimate:
     if pt not in ("none", "cpu", "nvme") or ot not in ("none", "cpu", "nvme"):
         raise ValueError(f"configuration ({pt!r}, {ot!r}): param tier none|cpu|nvme, optimizer tier none|cpu|nvme")
     where = place(config, d.compute_dtype, param_device=pt, optimizer_device=ot)  # what the engine would open
     grads_out = where.grads_out  # See [Note: scratch gradients]
     shared = where.shared_master  # See [Note: shared fp32 master]
-    stream, host_fb = _simulate(d, config.prefetch_depth, config.max_live_bytes, where.activations, grads_out)
+    stream, host_fb = simulate(d, config.prefetch_depth, config.max_live_bytes, where.activations, grads_out)
     on_dev, cpu_p, cpu_o = d.store if pt == "none" else 0, d.store if pt == "cpu" else 0, d.opt if ot == "cpu" else 0
     fixed = {"unit_state": d.rests, "persistent_params": d.glue, "optimizer_state": d.opt if ot == "none" else 0}
     dev = {**stream, **fixed, "param_tier": on_dev}  # the stream's peak; the optimizer step adds nothing on device
@@ -309,7 +248,7 @@ def _estimate(d: _Digest, config: ZeroConfig, pt: str, ot: str, platform: str) -
             "gradients": d.grad_disk if grads_out else 0}
     breakdown = {f"{t}.{k}": int(v) for t, items in (("device", dev), ("host", host), ("nvme", nvme))
                  for k, v in items.items() if v}
-    (read, write), (pass_read, pass_write) = _step_io(d, config, pt, ot, grads_out, shared)
+    (read, write), (pass_read, pass_write) = step_io(d, config, pt, ot, grads_out, shared)
     flops = d.forward_flops * (4 if config.activation_checkpointing else 3) // d.n_processes
     # transient host copies: nvme param reads before their device copy, tensorstore's copies of optimizer writes
     staging = (pt == "nvme") * (1 + config.prefetch_depth) * max(d.unit_held, default=0) + (ot == "nvme") * buffers
@@ -321,27 +260,6 @@ def _estimate(d: _Digest, config: ZeroConfig, pt: str, ot: str, platform: str) -
         n_devices=d.n_local, n_processes=d.n_processes, compute_dtype=d.compute_dtype, params=d.params,
         engine=where.engine, step_read_bytes=read, step_write_bytes=write, step_pass_read_bytes=pass_read,
         step_pass_write_bytes=pass_write, step_flops=flops, platform=platform)
-
-
-def _step_io(d: _Digest, config: ZeroConfig, pt: str, ot: str, grads_out: bool,
-             shared: bool) -> tuple[tuple[int, int], tuple[int, int]]:
-    """Disk bytes (read, written) of one process in one step, and the forward+backward's part of them, from the
-    bytes the tiers hold."""
-    read = write = pass_read = pass_write = 0
-    if pt == "nvme":  # every unit call fetches its shards (a call right after one of the same unit reuses them)
-        calls = [u for u, _ in d.calls]
-        fetches = [u for i, u in enumerate(calls) if i == 0 or calls[i - 1] != u]
-        passes = 2 if config.activation_checkpointing else 1
-        pass_read += passes * sum(d.unit_held[u] * d.n_idx // d.n_local for u in fetches) + d.glue // d.n_local
-        if not shared:  # the new compute-dtype values of the trained params
-            write += d.store_io_trained
-    if ot == "nvme":
-        read += d.opt_io
-        write += d.opt_io
-        if grads_out:  # written in the backward, read back by the optimizer
-            read += d.grad_io
-            pass_write += d.grad_io
-    return (int(read + pass_read), int(write + pass_write)), (int(pass_read), int(pass_write))
 
 
 def estimate_from_sizes(
@@ -398,9 +316,11 @@ def estimate_from_sizes(
     chunk = sub_groups(shard, config.sub_group_size)[0]
     a = heads or max(1, h // 64)  # per-layer activations (Korthikanti et al. 2022) + logits, log-softmax, grad
     workspace = (seq * batch * h * (34 + 5 * a * seq / h) * c / 2 + batch * seq * vocab * (c + 8)) / n_devices
-    d = _Digest(
+    d = StepDigest(
         n_local=n_local, n_idx=n_local, n_processes=P, compute_dtype=cd, params=params,
         unit_held=tuple(u * c // P for u in units), unit_gathered=tuple(u * c * n_local for u in units),
+        unit_kept=(embed <= config.persistence_threshold,) + (4 * h * h <= config.persistence_threshold,) * layers
+        + (False,) * untied,
         unit_grad=tuple(u * 4 // P for u in units), calls=tuple(calls), rests=0, glue=glue_el * c * n_local,
         store=params * c // P, store_sharded=(params - glue_el) * c // P,
         store_disk=params * c // P + store_pad, store_disk_trained=params * c // P + store_pad,
@@ -528,10 +448,11 @@ def estimate_from_model(
         chunk[p], n_chunks[p] = sub_groups(numel[p], config.sub_group_size)
     calls, rests, out, flops = _trace_calls(adapter, dtype_of, layouts, loss_fn, example)
     unit = lambda f: tuple(sum(f(p) for p in u.param_paths) for u in adapter.units)  # noqa: E731
-    d = _Digest(
+    d = StepDigest(
         n_local=n_local, n_idx=n_idx, n_processes=P, compute_dtype=cd, params=sum(x.size for x in layouts.values()),
         unit_held=unit(lambda p: layouts[p].bytes_per_device(dtype_of(p)) * n_local),
         unit_gathered=unit(lambda p: layouts[p].size * item[p] * n_local),
+        unit_kept=tuple(all(layouts[p].dim is None for p in u.param_paths) for u in adapter.units),
         unit_grad=unit(lambda p: 4 * local[p] * (p in trained)),
         calls=tuple((u, b // P + r * n_local) for u, b, r in calls), rests=rests * n_local,
         glue=sum(layouts[p].bytes_per_device(dtype_of(p)) * n_local for p in adapter.glue_paths),

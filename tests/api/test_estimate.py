@@ -33,6 +33,7 @@ from zinf_jax.estimate import (CONFIGURATIONS, RUNTIME_OVERHEAD, Machine, estima
 
 CFG = TinyLMConfig(n_layers=3, d_model=32, vocab=64, seq=16)
 THRESHOLD = 512  # LayerNorms, biases and the position table persist; blocks and the embedding stream
+WHOLE = 1 << 20  # a persistence threshold over every parameter of the test GPT: all its units whole
 BATCH = 8
 N_DEVICES = int(os.environ.get("ZINF_ESTIMATE_TEST_DEVICES", "2"))  # few shards: fewer fsynced files per step
 REL, SLACK = 0.15, 64 << 10
@@ -48,8 +49,9 @@ def mesh():
 
 def zconfig(param="none", opt="cpu", path=None, **kw):
     """The streamed engine's settings: its own device accounting is what the estimate replays."""
+    kw.setdefault("persistence_threshold", THRESHOLD)
     return zinf.ZeroConfig(offload_param=zinf.Offload(param, path=path), offload_optimizer=zinf.Offload(opt, path=path),
-                           persistence_threshold=THRESHOLD, engine="streamed", **kw)
+                           engine="streamed", **kw)
 
 
 def example(cfg=CFG):
@@ -148,7 +150,8 @@ def test_estimate_matches_engine(param, opt, estimates, tmp_path, record_propert
 
 
 @pytest.mark.parametrize("settings", [dict(prefetch_depth=0), dict(prefetch_depth=3, max_live_bytes=60_000),
-                                      dict(prefetch_depth=1, offload_activations=True)])
+                                      dict(prefetch_depth=1, offload_activations=True),
+                                      dict(persistence_threshold=WHOLE)])  # every unit kept for its backward
 def test_device_peak_replays_the_prefetcher(settings):
     """The schedule replay gives the engine's own device accounting exactly, whatever the prefetch settings."""
     config = zconfig("cpu", "cpu", **settings)
@@ -258,11 +261,12 @@ def test_estimate_warns_that_kept_activations_are_not_modelled():
                  config=zinf.ZeroConfig(activation_checkpointing=False), platform="gpu")
 
 
-@pytest.mark.parametrize("checkpointing", [True, False])
-def test_step_io_bytes_match_the_tiers(tmp_path, checkpointing):
-    """The disk bytes a step reads and writes (the estimate's I/O bound) against the tiers' own counters."""
+@pytest.mark.parametrize("checkpointing,threshold", [(True, THRESHOLD), (False, THRESHOLD), (True, WHOLE)])
+def test_step_io_bytes_match_the_tiers(tmp_path, checkpointing, threshold):
+    """The disk bytes a step reads and writes (the estimate's I/O bound) against the tiers' own counters
+    (``WHOLE``: every unit's params whole, each unit read once a step)."""
     off = zinf.Offload("nvme", path=str(tmp_path))
-    config = zinf.ZeroConfig(offload_param=off, offload_optimizer=off, persistence_threshold=THRESHOLD,
+    config = zinf.ZeroConfig(offload_param=off, offload_optimizer=off, persistence_threshold=threshold,
                              activation_checkpointing=checkpointing)
     engine = zinf.initialize(ctor(), config=config, mesh=mesh(), loss_fn=lm_loss)
     batch = np.asarray(jax.random.randint(jax.random.key(1), (BATCH, CFG.seq + 1), 0, CFG.vocab))

@@ -190,6 +190,7 @@ class StreamedModel:
             lambda uid: self._unit_bytes[uid],
             prefetch_depth,
             max_live_bytes,
+            keep=lambda uid: all(l.dim is None for l in self._layouts[uid]),  # whole params: held for the backward
         )
         self.activations = activations or OnDevice()
         self.activation_checkpointing = activation_checkpointing
