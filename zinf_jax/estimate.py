@@ -36,8 +36,8 @@ import jax.numpy as jnp
 from zinf_jax._internal.flops import matmul_flops
 from zinf_jax._internal.fmt import human_bytes
 from zinf_jax.config import ZeroConfig
-from zinf_jax.estimate_step import StepDigest, simulate, step_io
 from zinf_jax.engine.wrap import make_adapter, trainable_paths
+from zinf_jax.estimate_step import StepDigest, simulate, step_io
 from zinf_jax.optim.grads_out import IN_RAM_BELOW
 from zinf_jax.optim.subgroups import PACK_BELOW, PACK_ELEMENTS, pool_geometry, sub_groups
 from zinf_jax.plan.partition import local_shard_devices, make_mesh, plan_partition

@@ -62,7 +62,10 @@ def simulate(d: StepDigest, depth: int, max_live: int | None, activations: str, 
     dev_best, host_best, grads_done = {}, {}, set()
     for p, uid in enumerate(sched):
         inflight.pop(p, None)
-        (kept.add if d.unit_kept[uid] and last[uid] > p else kept.discard)(uid)
+        if d.unit_kept[uid] and last[uid] > p:
+            kept.add(uid)
+        else:
+            kept.discard(uid)
         held = lambda: sum(d.unit_held[u] for u in {uid, *inflight.values(), *kept})  # noqa: E731
         for q in range(p + 1, min(len(sched), p + 1 + depth)):  # Prefetcher._fill after take()
             new = q not in inflight and sched[q] != uid and sched[q] not in {*inflight.values(), *kept}

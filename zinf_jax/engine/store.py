@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from zinf_jax.plan.partition import ParamLayout, assemble_many, local_positions, local_shard_devices, split_local
+from zinf_jax.plan.partition import ParamLayout, assemble_many, local_shard_devices, split_local
 from zinf_jax._internal.futures import done_future
 from zinf_jax.tiers.base import ShardSpec, Tier, TierError
 from zinf_jax.errors import ParamMismatchError
@@ -105,8 +105,7 @@ class ParamStore:
             if path in self.master_paths:  # See [Note: shared fp32 master]
                 continue
             self._writes[path] = self._writes.get(path, 0) + 1
-            pos = local_positions(self.layouts[path], self.mesh, arr)
-            items += [(path, i, arr.addressable_data(k)) for i, k in pos.items()]
+            items += [(path, i, x) for i, x in split_local(self.layouts[path], self.mesh, arr).items()]
         self.tier.put_arrays(items)
 
     def put_local(self, path: str, index: int, value: np.ndarray) -> Future:

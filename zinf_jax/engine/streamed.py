@@ -190,7 +190,7 @@ class StreamedModel:
             lambda uid: self._unit_bytes[uid],
             prefetch_depth,
             max_live_bytes,
-            keep=lambda uid: all(l.dim is None for l in self._layouts[uid]),  # whole params: held for the backward
+            keep=[all(l.dim is None for l in lays) for lays in self._layouts].__getitem__,  # whole params: held
         )
         self.activations = activations or OnDevice()
         self.activation_checkpointing = activation_checkpointing
@@ -261,7 +261,7 @@ class StreamedModel:
         try:
             tape = Tape(traced.program)
             calls = traced.program.calls
-            outs = tape.forward([*glue, *traced.args[len(glue):]], functools.partial(self._run_saving, p, calls))
+            outs = tape.forward([*glue, *traced.args[len(glue):]], functools.partial(self._run_call, p, calls, True))
             out, new_state, batch_state = traced.unflatten(outs)
             loss, aux = out if has_aux else (out, None)
             if jnp.shape(loss) != ():
@@ -300,7 +300,7 @@ class StreamedModel:
         """
         p, traced = self._begin(loss_fn, batch, glue, _Pass(Phase.EVAL, train=train))
         try:
-            call = functools.partial(self._run_call, p, traced.program.calls)
+            call = functools.partial(self._run_call, p, traced.program.calls, False)
             out, new_state, batch_state = traced.unflatten(traced.program(traced.args, call))
         finally:
             self._end(p)
@@ -325,26 +325,17 @@ class StreamedModel:
         p.saved.clear()
         self.prefetcher.finish()
 
-    def _run_call(self, p: _Pass, calls: Sequence[UnitCall], k: int, dyn: list) -> list:
-        """Runs traced unit call ``k`` of a forward-only pass; its flat outputs."""
-        self._check_pass(p)
+    def _run_call(self, p: _Pass, calls: Sequence[UnitCall], save: bool, k: int, dyn: list) -> list:
+        """Runs the forward of traced unit call ``k`` (``save``: keeping what its backward needs); its flat outputs."""
+        if self._pass is not p:
+            raise EngineError("a unit of the wrapped model was called outside engine.train_step/eval_step")
         c = calls[k]
-        return c.out_tree.flatten_up_to(self._forward(p, c.uid, c.method, c.sig, dyn))
-
-    def _run_saving(self, p: _Pass, calls: Sequence[UnitCall], k: int, dyn: list) -> list:
-        """The forward of traced unit call ``k`` of a training pass, saving for its backward; its flat outputs."""
-        self._check_pass(p)
-        c = calls[k]
-        return c.out_tree.flatten_up_to(self._forward(p, c.uid, c.method, c.sig, dyn, save=True))
+        return c.out_tree.flatten_up_to(self._forward(p, c.uid, c.method, c.sig, dyn, save=save))
 
     def _run_backward(self, p: _Pass, calls: Sequence[UnitCall], k: int, g: list) -> list:
         """The backward of traced unit call ``k``: ``g`` per flat output (``None`` for integer ones)."""
         c = calls[k]
         return self._backward(p, c.uid, c.method, c.sig, g)
-
-    def _check_pass(self, p: _Pass) -> None:
-        if self._pass is not p:
-            raise EngineError("a unit of the wrapped model was called outside engine.train_step/eval_step")
 
     def _unit_fn(self, uid: int, method: str, sig: tuple, train: bool) -> Callable:
         """The adapter's unit function of the array inputs, with the static leaves put back (a region of the

@@ -48,6 +48,7 @@ class SegmentVjp:
     Attributes:
       diff: positions of the segment's inputs that are differentiated (floating variables).
       cts: positions of its outputs that carry a cotangent (floating ones).
+      avals: the abstract values of those outputs (a cotangent that did not arrive is their zeros).
       fwd: ``ins -> (outs, vjp)``, compiled.
       bwd: per pattern of present output cotangents, ``(vjp, given) -> input cotangents``, compiled.
     """
@@ -118,7 +119,7 @@ class Tape:
 
     def __init__(self, program: GlueProgram):
         self.program = program
-        self._vjps: list[Any] = [None] * len(program.steps)  # per step: (SegmentVjp, vjp) of a segment run
+        self._vjps: list[Any] = [None] * len(program.steps)  # per step: the vjp (residuals) of a segment run
 
     def _segment(self, i: int, ins: list) -> Sequence[Any]:
         s = self.program.steps[i]
