@@ -144,7 +144,8 @@ class ZeroConfig:
     persistence_threshold: int = checked(100_000, as_int, 0, ds="stage3_param_persistence_threshold")
     """Parameters with at most this many elements are never sharded: each is kept whole (DeepSpeed's persistent
     parameters). With ``offload_param="none"`` they stay on every device; on an offload tier they are stored whole
-    there and put on every device each time their unit (or, outside every unit, the step) fetches them."""
+    there and put on every device each time their unit (or, outside every unit, the step) fetches them; a unit
+    holding only such parameters is fetched once a training pass, and held from its forward to its backward."""
     persistent_params: tuple[str, ...] = checked((), as_patterns)
     """Regular expressions (``re.fullmatch`` on the ``/``-joined path, e.g. ``"embed/embedding"``) of parameters
     kept gathered on every device whatever their size, like DeepSpeed's per-module ``ds_persist``: never
