@@ -57,9 +57,6 @@ ParamLoss = Callable[[str, jax.Array], Any]
 """``param_loss(path, value) -> scalar``: a loss term of one parameter (e.g. L2 on kernels), 0 for none."""
 
 
-TRIM_BYTES = 64 << 20
-"""Gathered bytes of a unit from which freed host memory is returned to the system after each call."""
-
 JIT_MESSAGE = (
     "zinf_jax: the streamed engine fetches parameters between unit calls and cannot run under "
     "jax.jit, vmap, grad or scan. Call engine.train_step / engine.eval_step eagerly (the units "
@@ -184,6 +181,7 @@ class StreamedModel:
             sum(l.size * jnp.dtype(store.dtype_of(l.path)).itemsize for l in lays) * len(self.mesh.devices.flat)
             for lays in self._layouts
         ]
+        self._trimmer = native_memory.Trimmer()
         self.gate = gate or WriteGate()
         self.prefetcher = Prefetcher(
             self._fetch,
@@ -379,7 +377,7 @@ class StreamedModel:
             p.saved_bytes += p.saved[-1][-1]
         del stored
         self.prefetcher.release()
-        self._release_host(uid)
+        self._trimmer.check()  # the pages unit calls freed go back to the system once they add up
         return out
 
     def _backward(self, p: _Pass, uid: int, method: str, sig: tuple, g: Any) -> Any:
@@ -416,16 +414,11 @@ class StreamedModel:
         with TraceAnnotation("zinf/grads_out", unit=self.units[uid].path):
             self.sink.add_many([k for k, _ in kept], [x for _, x in kept])
         del gp, kept
-        self._release_host(uid)
+        self._trimmer.check()  # the pages unit calls freed go back to the system once they add up
         out: list[Any] = [None] * len(inputs)  # no cotangent for integer inputs
         for i, d in zip([i for i, (_, dt) in enumerate(inputs) if jnp.issubdtype(dt, jnp.inexact)], gd):
             out[i] = d
         return out
-
-    def _release_host(self, uid: int) -> None:
-        """Returns the pages a large unit's call freed to the system (see :mod:`zinf_jax._internal.native_memory`)."""
-        if self._gathered[uid] >= TRIM_BYTES:  # below, the ~15 ms a call costs buys nothing measurable
-            native_memory.trim()
 
     # --- accounting -------------------------------
     def held_device_bytes(self) -> int:
