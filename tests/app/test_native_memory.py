@@ -50,4 +50,3 @@ def test_trimmer_trims_once_the_resident_set_passes_its_low_by_the_slack():
     rss[0] = 800  # 100 past the post-trim reading of 700: within the slack
     assert not t.check() and t.trims == 1
     assert resident_bytes() > 0 or not os.path.exists("/proc/self/statm")
-

@@ -62,6 +62,9 @@ def trim() -> bool:
     return bool(_LIBC is not None and _LIBC.malloc_trim(0))
 
 
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
 def resident_bytes() -> int:
     """This process's resident set size (``/proc/self/statm``); 0 where there is no ``/proc``."""
     try:
@@ -69,9 +72,6 @@ def resident_bytes() -> int:
             return int(f.read().split()[1]) * _PAGE
     except OSError:
         return 0
-
-
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 TRIM_SLACK = 512 << 20
 """Resident bytes a :class:`Trimmer` lets a process grow past its low before it trims."""
@@ -106,4 +106,3 @@ class Trimmer:
         self.trims += 1
         self._low = self._resident()
         return True
-
