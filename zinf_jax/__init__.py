@@ -60,7 +60,17 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *_WHERE])
 
 
-__version__ = "0.1.0"
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml is its one source)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("zinf-jax")
+    except metadata.PackageNotFoundError:  # a source tree that was never installed
+        return "0+unknown"
+
+
+__version__ = _version()
 
 __all__ = [
     "Engine", "initialize", "restore", "from_safetensors", "TensorMap",
