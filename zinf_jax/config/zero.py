@@ -10,7 +10,8 @@ import dataclasses
 import os
 from typing import Any, Mapping
 
-from zinf_jax.config.deepspeed import parse_deepspeed
+from zinf_jax.config.deepspeed import RunValues, resolve_deepspeed
+from zinf_jax.config.schedule import LRSchedule
 from zinf_jax.config.fields import (OPTIMIZERS, BOOL, NONNEG, PATH, POSITIVE, UNIT, as_float, as_int, as_names, as_other,
                                      as_patterns,
                                      one_of, checked, build_from_dict, nested_field, validate)
@@ -35,12 +36,12 @@ class Offload:
     Mirrors DeepSpeed's ``offload_param`` / ``offload_optimizer`` sections.
     """
 
-    device: str = checked("none", as_other, *one_of(DEVICES), ds="device")
+    device: str = checked("none", as_other, *one_of(DEVICES))
     """Tier of the state: ``"none"`` (accelerator memory), ``"cpu"`` (host RAM), ``"nvme"`` (files under ``path``)."""
     _: dataclasses.KW_ONLY
-    path: str | None = checked(None, as_other, *PATH, optional=True, ds="nvme_path")
+    path: str | None = checked(None, as_other, *PATH, optional=True)
     """Directory of the NVMe tier (DeepSpeed ``nvme_path``); required when ``device="nvme"``, unused otherwise."""
-    buffer_count: int = checked(5, as_int, 1, ds="buffer_count")
+    buffer_count: int = checked(5, as_int, 1)
     """Optimizer tier: sub-group buffer sets the streamed step reads into ahead and writes back from (bounds
     its host RAM: ``buffer_count`` x sub-group x 4 B x (master, states, gradient)). Param tier: no effect
     (reported)."""
@@ -58,12 +59,11 @@ class Offload:
 class AioConfig:
     """Asynchronous I/O settings of the NVMe tier (DeepSpeed's ``aio`` section)."""
 
-    block_size: int | None = checked(None, as_int, ALIGN_BYTES, optional=True, ds="block_size")
+    block_size: int | None = checked(None, as_int, ALIGN_BYTES, optional=True)
     """Bytes per chunk file of the NVMe tier: a shard larger than this is cut into chunk files written,
     synced and read as one request each, concurrently; ``None``: 16 MiB (DeepSpeed's default, 1 MiB, makes
     16x more files and measured slower here)."""
-    intra_op_parallelism: int | None = checked(None, as_int, 1, optional=True,
-                                              ds=("intra_op_parallelism", "thread_count"))
+    intra_op_parallelism: int | None = checked(None, as_int, 1, optional=True)
     """Threads reading and (as many) writing chunk files of the NVMe tier at once (DeepSpeed's old name:
     ``thread_count``); ``None``: 4."""
 
@@ -80,17 +80,17 @@ class LossScaleConfig:
 
     enabled: bool | None = checked(None, as_other, *BOOL, optional=True)
     """Scale the loss (and unscale the gradients) at all; ``None``: on exactly when the compute dtype is float16."""
-    static_scale: float = checked(0.0, as_float, *NONNEG, ds="loss_scale")
+    static_scale: float = checked(0.0, as_float, *NONNEG)
     """A fixed scale; ``0`` selects dynamic scaling."""
-    initial_scale_power: int = checked(16, as_int, 0, ds="initial_scale_power")
+    initial_scale_power: int = checked(16, as_int, 0)
     """The dynamic scale starts at ``2**initial_scale_power``."""
-    window: int = checked(1000, as_int, 1, ds="loss_scale_window")
+    window: int = checked(1000, as_int, 1)
     """Clean steps after which the dynamic scale doubles."""
-    hysteresis: int = checked(2, as_int, 1, ds="hysteresis")
+    hysteresis: int = checked(2, as_int, 1)
     """Overflows tolerated before the scale is halved."""
-    min_scale: float = checked(1.0, as_float, *POSITIVE, ds="min_loss_scale")
+    min_scale: float = checked(1.0, as_float, *POSITIVE)
     """The dynamic scale never drops below this."""
-    consecutive_hysteresis: bool = checked(False, as_other, *BOOL, ds="consecutive_hysteresis")
+    consecutive_hysteresis: bool = checked(False, as_other, *BOOL)
     """Refill the hysteresis budget after every clean step (not only after a window)."""
 
     __post_init__ = validate
@@ -102,18 +102,24 @@ class OptimizerConfig:
 
     name: str = checked("adamw", as_other, *one_of(OPTIMIZERS))
     """``"adamw"``: decoupled weight decay; ``"adam"``: weight decay added to the gradient (L2)."""
-    lr: float = checked(1e-3, as_float, *NONNEG, ds="lr")
+    lr: float = checked(1e-3, as_float, *NONNEG)
     """Learning rate."""
     b1: float = checked(0.9, as_float, *UNIT)
     """Decay rate of the first moment."""
     b2: float = checked(0.999, as_float, *UNIT)
     """Decay rate of the second moment."""
-    eps: float = checked(1e-8, as_float, *NONNEG, ds="eps")
+    eps: float = checked(1e-8, as_float, *NONNEG)
     """Added to the denominator for numerical stability."""
-    weight_decay: float = checked(0.0, as_float, *NONNEG, ds="weight_decay")
+    weight_decay: float = checked(0.0, as_float, *NONNEG)
     """Weight decay coefficient."""
+    schedule: LRSchedule | None = nested_field(None, LRSchedule, optional=True)
+    """A DeepSpeed ``scheduler`` the learning rate follows (``lr`` is then its peak); ``None``: constant ``lr``."""
 
     __post_init__ = validate
+
+    def learning_rate(self) -> Any:
+        """``lr``, or the schedule (an optax schedule: update count -> learning rate)."""
+        return self.lr if self.schedule is None else self.schedule
 
 
 INERT = ("offload_param.buffer_count",)
@@ -141,7 +147,7 @@ class ZeroConfig:
     """Units fetched ahead of the one computing (``0``: no prefetch)."""
     max_live_bytes: int | None = checked(None, as_int, 1, optional=True)
     """Device bytes of gathered parameters alive at once; ``None``: unbounded."""
-    persistence_threshold: int = checked(100_000, as_int, 0, ds="stage3_param_persistence_threshold")
+    persistence_threshold: int = checked(100_000, as_int, 0)
     """Parameters with at most this many elements are never sharded: each is kept whole (DeepSpeed's persistent
     parameters). With ``offload_param="none"`` they stay on every device; on an offload tier they are stored whole
     there and put on every device each time their unit (or, outside every unit, the step) fetches them; a unit
@@ -158,7 +164,7 @@ class ZeroConfig:
     ``"bfloat16"`` halves their bytes on disk and in every step's reads and writes (12 B/param of state
     instead of 16 with the scratch gradients). The arithmetic stays float32 and the fp32 master is never
     rounded; the stored moments are rounded to nearest even (DeepSpeed: ``bf16.bf16_optimizer_states``)."""
-    sub_group_size: int = checked(1_000_000_000, as_int, 1, ds="sub_group_size")
+    sub_group_size: int = checked(1_000_000_000, as_int, 1)
     """Elements per optimizer sub-group, the unit the streamed optimizer step reads, updates and writes."""
     offload_activations: bool | str = checked(False, as_other, *ACTIVATION_PLACES)
     """Where the streamed engine keeps the activations it saves for the backward (the checkpoints at unit
@@ -262,20 +268,56 @@ class ZeroConfig:
         return build_from_dict(cls, d, "")
 
     @classmethod
-    def from_deepspeed(cls, path_or_dict: str | os.PathLike[str] | Mapping[str, Any]) -> ZeroConfig:
-        """Reads a DeepSpeed JSON config (ZeRO stage 3 / ZeRO-Infinity keys).
+    def from_deepspeed(cls, path_or_dict: str | os.PathLike[str] | Mapping[str, Any], *, explain: bool = False,
+                       **run: Any) -> ZeroConfig:
+        """Reads a DeepSpeed JSON config (ZeRO stage 3 / ZeRO-Infinity keys), or an accelerate YAML one.
 
-        ``stage3_max_live_parameters`` (elements) becomes ``max_live_bytes`` (x bytes of
-        the compute dtype). A section left out means what it means in DeepSpeed (no
-        ``offload_optimizer``: optimizer state on device); ``"auto"``/``null``: the zinf
-        default. ``"Adam"`` is AdamW unless ``params.adam_w_mode`` is false, as in
-        DeepSpeed. Keys not used, and ``"auto"`` ones, are listed in one ``UserWarning``.
+        ``"auto"`` values are filled as the Hugging Face integration fills them, from ``run`` (the
+        fields of :class:`~zinf_jax.config.RunValues`: ``hidden_size``, ``lr``, ``clip``,
+        ``weight_decay``, ``betas``, ``eps``, ``compute_dtype``, ``batch``, ``micro_batch``,
+        ``gradient_accumulation_steps``, ``total_steps``, ``warmup_steps``); one that nothing fills is
+        refused. ``stage3_max_live_parameters`` (elements) becomes ``max_live_bytes`` (x bytes of the
+        compute dtype). A section left out means what it means in DeepSpeed (no ``offload_optimizer``:
+        optimizer state on device). ``"Adam"`` is AdamW unless ``params.adam_w_mode`` is false, as in
+        DeepSpeed; a ``WarmupLR``/``WarmupDecayLR``/``WarmupCosineLR`` scheduler becomes
+        ``optimizer.schedule``. Keys not used are listed in one ``UserWarning``, one line per kind (no
+        counterpart / changes training, not supported / unknown). See :meth:`resolve_deepspeed` for
+        where each setting came from.
 
         Args:
-          path_or_dict: a path to the JSON file, or the parsed dict (not modified).
+          path_or_dict: a path to the JSON (or ``.yaml`` accelerate) file, or the parsed dict (not modified).
+          explain: also print the resolution table (:meth:`resolve_deepspeed`) to stdout.
+          **run: the run's values that fill ``"auto"`` (see above).
 
         Raises:
-          ConfigError: file missing or not JSON, ZeRO stage other than 3, or a bad
-            value (the message names its dotted key and the accepted values).
+          ConfigError: file missing or not JSON/YAML, ZeRO stage other than 3, a bad value, or an
+            ``"auto"`` nothing fills (the message names its dotted key and what to give).
         """
-        return parse_deepspeed(path_or_dict, cls)
+        res = cls.resolve_deepspeed(path_or_dict, **run)
+        if explain:
+            print(res)
+        if res.batch_keys:  # the API's batch is the one train_step is given
+            res.no_effect = sorted([*res.no_effect, *res.batch_keys])
+        lines = res.unused_lines()
+        if res.schedule is not None and res.config.optimizer is None:
+            lines.insert(0, "changes training, not supported here: scheduler (no optimizer section carries it; "
+                            "pass resolve_deepspeed(...).schedule to your optimizer as its learning rate)")
+        if lines:
+            import warnings
+
+            warnings.warn(f"DeepSpeed config {res.file}:\n" + "\n".join(lines), UserWarning, stacklevel=2)
+        return res.config
+
+    @classmethod
+    def resolve_deepspeed(cls, path_or_dict: str | os.PathLike[str] | Mapping[str, Any], **run: Any) -> Any:
+        """Like :meth:`from_deepspeed`, but returns the :class:`~zinf_jax.config.Resolution` (warns nothing).
+
+        ``str()`` of it is the table: each setting that matters with its value and source (the file,
+        ``"auto"`` filled from what, or DeepSpeed's default), then the unused keys by kind; ``.config``
+        is the :class:`ZeroConfig`; ``.schedule`` the learning-rate schedule the file asks for.
+        """
+        try:
+            values = RunValues(**run)
+        except TypeError as e:
+            raise TypeError(f"{e}; the run's values are the fields of zinf_jax.config.RunValues") from None
+        return resolve_deepspeed(path_or_dict, cls, values)

@@ -35,9 +35,10 @@ def choose_optimizer(optimizer: Any, config: ZeroConfig) -> Any:
         return optimizer
     if o is None:
         return adamw(1e-3)
+    lr = o.learning_rate()  # the constant lr, or the DeepSpeed scheduler's schedule (an optax schedule)
     if o.name == "adamw":
-        return adamw(o.lr, o.b1, o.b2, o.eps, weight_decay=o.weight_decay)
-    return adam(o.lr, o.b1, o.b2, o.eps)
+        return adamw(lr, o.b1, o.b2, o.eps, weight_decay=o.weight_decay)
+    return adam(lr, o.b1, o.b2, o.eps)
 
 
 def with_clipping(optimizer: Any, clip: float) -> Any:
