@@ -25,6 +25,7 @@ Overheads (runtime, I/O copies, XLA working set) count in :meth:`MemoryEstimate.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -310,7 +311,7 @@ def estimate_from_sizes(
         out = 0
         for t in tensors:
             n, count = (-(-t // n_devices), n_local) if t > config.persistence_threshold else (t, 1)
-            out += count * (_on_disk((n,), itemsize) - n * itemsize)
+            out += count * (_on_disk((n,), itemsize, config.aio.chunk_bytes) - n * itemsize)
         return out
     store_pad = pad(c)
     chunk = sub_groups(shard, config.sub_group_size)[0]
@@ -355,17 +356,18 @@ def _nbytes(tree: Any) -> int:
     return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))
 
 
-def _padded(shape: Sequence[int], itemsize: int) -> int:
+def _padded(shape: Sequence[int], itemsize: int, chunk_bytes: int) -> int:
     """Bytes of the zarr chunk files of one shard (edge chunks are stored whole): what reading or writing it
-    moves (a packed shard is smaller than one chunk: its own bytes)."""
-    chunk = chunk_shape(shape, itemsize, 16 << 20)  # NvmeTier's default chunk_bytes
+    moves (a packed shard is smaller than one chunk: its own bytes). ``chunk_bytes``: the tier's
+    (``config.aio.chunk_bytes``, as the engine opens it)."""
+    chunk = chunk_shape(shape, itemsize, chunk_bytes)
     return itemsize * math.prod(-(-s // k) * k for s, k in zip(shape, chunk))
 
 
-def _on_disk(shape: Sequence[int], itemsize: int) -> int:
+def _on_disk(shape: Sequence[int], itemsize: int, chunk_bytes: int) -> int:
     """Bytes one shard takes on disk: a packed one starts on a page of its pack file."""
     nbytes = itemsize * math.prod(shape)
-    return packed_nbytes(nbytes) if nbytes < PACK_BELOW_BYTES else _padded(shape, itemsize)
+    return packed_nbytes(nbytes) if nbytes < PACK_BELOW_BYTES else _padded(shape, itemsize, chunk_bytes)
 
 
 def _trace_calls(adapter: Any, dtype_of: Callable[[str], str], layouts: Mapping[str, Any], loss_fn: Callable,
@@ -447,6 +449,8 @@ def estimate_from_model(
     for p in layouts:
         chunk[p], n_chunks[p] = sub_groups(numel[p], config.sub_group_size)
     calls, rests, out, flops = _trace_calls(adapter, dtype_of, layouts, loss_fn, example)
+    on_disk = functools.partial(_on_disk, chunk_bytes=config.aio.chunk_bytes)
+    padded = functools.partial(_padded, chunk_bytes=config.aio.chunk_bytes)
     unit = lambda f: tuple(sum(f(p) for p in u.param_paths) for u in adapter.units)  # noqa: E731
     d = StepDigest(
         n_local=n_local, n_idx=n_idx, n_processes=P, compute_dtype=cd, params=sum(x.size for x in layouts.values()),
@@ -458,18 +462,18 @@ def estimate_from_model(
         glue=sum(layouts[p].bytes_per_device(dtype_of(p)) * n_local for p in adapter.glue_paths),
         store=sum(item[p] * local[p] for p in layouts),
         store_sharded=sum(item[p] * local[p] for p, lay in layouts.items() if lay.dim is not None),
-        store_disk=sum(_on_disk(layouts[p].shard_shape, item[p]) * shards[p] for p in layouts),
-        store_disk_trained=sum(_on_disk(layouts[p].shard_shape, item[p]) * shards[p] for p in trained),
-        store_io_trained=sum(_padded(layouts[p].shard_shape, item[p]) * shards[p] for p in trained),
+        store_disk=sum(on_disk(layouts[p].shard_shape, item[p]) * shards[p] for p in layouts),
+        store_disk_trained=sum(on_disk(layouts[p].shard_shape, item[p]) * shards[p] for p in trained),
+        store_io_trained=sum(padded(layouts[p].shard_shape, item[p]) * shards[p] for p in trained),
         grad=sum(4 * local[p] for p in trained),
         opt=sum(_state_bytes(config) * n_chunks[p] * chunk[p] * shards[p] for p in trained),
         grad_ram=sum(4 * n_chunks[p] * chunk[p] * shards[p] for p in trained if 4 * numel[p] < IN_RAM_BELOW),
-        grad_disk=sum(n_chunks[p] * shards[p] * _on_disk((chunk[p],), 4) + _KEY_METADATA_BYTES + len(p) + 3 * shards[p]
+        grad_disk=sum(n_chunks[p] * shards[p] * on_disk((chunk[p],), 4) + _KEY_METADATA_BYTES + len(p) + 3 * shards[p]
                       for p in trained if 4 * numel[p] >= IN_RAM_BELOW),
-        grad_io=sum(n_chunks[p] * shards[p] * _padded((chunk[p],), 4) for p in trained if 4 * numel[p] >= IN_RAM_BELOW),
-        opt_disk=sum(n_chunks[p] * shards[p] * (_on_disk((chunk[p],), 4)
-                                                + 2 * _on_disk((chunk[p],), _moment_bytes(config))) for p in trained),
-        opt_io=sum(n_chunks[p] * shards[p] * (_padded((chunk[p],), 4) + 2 * _padded((chunk[p],), _moment_bytes(config)))
+        grad_io=sum(n_chunks[p] * shards[p] * padded((chunk[p],), 4) for p in trained if 4 * numel[p] >= IN_RAM_BELOW),
+        opt_disk=sum(n_chunks[p] * shards[p] * (on_disk((chunk[p],), 4)
+                                                + 2 * on_disk((chunk[p],), _moment_bytes(config))) for p in trained),
+        opt_io=sum(n_chunks[p] * shards[p] * (padded((chunk[p],), 4) + 2 * padded((chunk[p],), _moment_bytes(config)))
                    for p in trained),
         **_pool(config, [(numel[p], shards[p]) for p in trained]),
         assembly=4 * max((numel[p] for p in trained if n_chunks[p] > 1), default=0),

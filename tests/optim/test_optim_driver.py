@@ -304,14 +304,14 @@ def test_commit_reopen_restore_continues(layouts, tmp_path):
     run(full, range(10))
 
     (tmp_path / "a").mkdir()
-    tier = NvmeTier(tmp_path / "a", process_index=0)
+    tier = NvmeTier(tmp_path / "a", process_index=0, update="double_slot")
     opt = _driver(tier, layouts, SMALL, params, loss_scale=cfg)
     run(opt, range(6))
     opt.commit({"engine": {"epoch": 1}})
     run(opt, range(6, 8))  # uncommitted work, lost on reopen
     tier.close()
 
-    tier = NvmeTier(tmp_path / "a", process_index=0)
+    tier = NvmeTier(tmp_path / "a", process_index=0, update="double_slot")
     opt = _driver(tier, layouts, SMALL, loss_scale=cfg)
     assert opt.step_count == 0
     opt.restore_state()

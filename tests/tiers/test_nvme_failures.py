@@ -144,7 +144,7 @@ def _check(tier: NvmeTier, specs: dict[str, ShardSpec], step: int) -> None:
 
 def test_full_disk_keeps_committed_generation(tmpfs):
     disk = tmpfs("disk", "size=4m")
-    tier = NvmeTier(disk, process_index=0)
+    tier = NvmeTier(disk, process_index=0, update="double_slot")
     _write(tier, _SMALL, step=1)
     tier.commit({"step": 1, "note": "gen 1"})
     assert tier.generation == 1
@@ -174,7 +174,7 @@ def test_full_disk_keeps_committed_generation(tmpfs):
     tier.close()
 
     # a new opener sees generation 1, bitwise, with its metadata
-    tier = NvmeTier(disk, process_index=0)
+    tier = NvmeTier(disk, process_index=0, update="double_slot")
     assert tier.generation == 1
     assert tier.metadata() == {"step": 1, "note": "gen 1"}
     assert sorted(tier.keys()) == ["a", "b"]
@@ -186,7 +186,7 @@ def test_full_disk_keeps_committed_generation(tmpfs):
     tier.commit({"step": 3})
     _check(tier, _SMALL, step=3)
     tier.close()
-    tier = NvmeTier(disk, process_index=0)
+    tier = NvmeTier(disk, process_index=0, update="double_slot")
     assert tier.generation == 2 and tier.metadata() == {"step": 3}
     _check(tier, _SMALL, step=3)
     tier.close()
@@ -194,7 +194,7 @@ def test_full_disk_keeps_committed_generation(tmpfs):
 
 def test_full_disk_then_space_freed_same_tier_commits(tmpfs):
     disk = tmpfs("disk", "size=4m")
-    tier = NvmeTier(disk, process_index=0)
+    tier = NvmeTier(disk, process_index=0, update="double_slot")
     _write(tier, _SMALL, step=1)
     tier.commit({"step": 1})
     # another tenant fills the disk
@@ -220,7 +220,7 @@ def test_full_disk_then_space_freed_same_tier_commits(tmpfs):
     assert tier.generation == 2
     _check(tier, _SMALL, step=2)
     tier.close()
-    tier = NvmeTier(disk, process_index=0)
+    tier = NvmeTier(disk, process_index=0, update="double_slot")
     assert tier.metadata() == {"step": 2}
     _check(tier, _SMALL, step=2)
     tier.close()

@@ -27,6 +27,7 @@ ROUTES = {"tensorstore": 1 << 30, "direct": 0}  # direct_min_bytes choosing each
 
 
 def _open(path: Path, route: str, **kw) -> NvmeTier:
+    kw = {"update": "double_slot", **kw}  # the tests of slots (the default, in_place, has one)
     return NvmeTier(path, process_index=0, chunk_bytes=CHUNK_BYTES, direct_min_bytes=ROUTES[route], pack_below_bytes=0,
                     **kw)
 
@@ -234,7 +235,7 @@ def _files(root: Path) -> list[Path]:
 def test_failed_write_removes_its_files(tiny_disk, finish):
     big = ShardSpec(shard_shape=(512, 512), dtype="float32", num_shards=4)     # 1 MiB shards: direct route
     small = ShardSpec(shard_shape=(200, 256), dtype="float32", num_shards=12)  # 200 KiB: tensorstore's
-    tier = NvmeTier(tiny_disk, process_index=0)
+    tier = NvmeTier(tiny_disk, process_index=0, update="double_slot")
     _write(tier, gen=1)
     tier.commit({"step": 1})
     committed, used = _files(tiny_disk), _used(tiny_disk)
@@ -262,7 +263,7 @@ def test_failed_write_removes_its_files(tiny_disk, finish):
     if finish == "commit":
         _read_ok(tier, gen=1)
         tier.close()
-    again = NvmeTier(tiny_disk, process_index=0)
+    again = NvmeTier(tiny_disk, process_index=0, update="double_slot")
     assert again.generation == 1 and again.metadata() == {"step": 1}
     _read_ok(again, gen=1)
     again.close()
@@ -333,7 +334,7 @@ def test_put_zeros_of_small_shards_writes_them(tmp_path):
 
 
 def test_put_zeros_on_a_full_disk_fails_like_a_write(tiny_disk):
-    tier = NvmeTier(tiny_disk, process_index=0)
+    tier = NvmeTier(tiny_disk, process_index=0, update="double_slot")
     _write(tier, gen=1)
     tier.commit({"step": 1})
     committed = _files(tiny_disk)

@@ -34,7 +34,7 @@ def _value(gen: int, key: str, index: int) -> np.ndarray:
 
 
 def _open(path: Path, **kw) -> NvmeTier:
-    tier = NvmeTier(path, process_index=0, **kw)
+    tier = NvmeTier(path, process_index=0, **{"update": "double_slot", **kw})
     for key, spec in SPECS.items():
         tier.declare(key, spec)
     return tier

@@ -99,7 +99,7 @@ def test_spec_mismatch_and_unknown(tier):
 
 def test_nvme_commit_is_atomic_and_persistent(tmp_path):
     spec = ShardSpec(shard_shape=(128,), dtype="float32", num_shards=4)
-    t = NvmeTier(tmp_path)
+    t = NvmeTier(tmp_path, update="double_slot")
     t.declare("w", spec)
     old = [np.full(128, i, np.float32) for i in range(4)]
     for i, v in enumerate(old):
@@ -109,21 +109,21 @@ def test_nvme_commit_is_atomic_and_persistent(tmp_path):
     for i in range(4):
         t.put("w", i, old[i] + 100).result()
     t.close()
-    t = NvmeTier(tmp_path)
+    t = NvmeTier(tmp_path, update="double_slot")
     assert t.metadata() == {"step": 1} and t.generation == 1
     assert all(np.array_equal(t.get("w", i).result(), old[i]) for i in range(4))
     # a partial rewrite keeps unwritten shards from the committed slot
     t.put("w", 2, old[2] + 7)
     t.commit({"step": 2})
     t.close()
-    t = NvmeTier(tmp_path)
+    t = NvmeTier(tmp_path, update="double_slot")
     got = [t.get("w", i).result() for i in range(4)]
     assert np.array_equal(got[2], old[2] + 7) and all(np.array_equal(got[i], old[i]) for i in (0, 1, 3))
     t.close()
 
 
 def test_nvme_local_indices_only(tmp_path):
-    t = NvmeTier(tmp_path, process_index=1)
+    t = NvmeTier(tmp_path, process_index=1, update="double_slot")
     t.declare("w", ShardSpec(shard_shape=(8,), dtype="float32", num_shards=4), local_indices=[2, 3])
     assert (tmp_path / "process_1").is_dir()
     with pytest.raises(TierError, match="not stored by this process"):

@@ -7,10 +7,10 @@
 
 Nothing here imports JAX: a config is plain data, checked on construction.
 """
-from zinf_jax.config.zero import (ALIGN_BYTES, COMPUTE_DTYPES, DEVICES, INERT, AioConfig, LossScaleConfig, Offload,
-                                  OptimizerConfig, ZeroConfig)
+from zinf_jax.config.zero import (ALIGN_BYTES, COMPUTE_DTYPES, DEVICES, INERT, NVME_CHUNK_BYTES, NVME_UPDATE, AioConfig,
+                                  LossScaleConfig, Offload, OptimizerConfig, ZeroConfig)
 from zinf_jax.config.fields import OPTIMIZERS
 from zinf_jax.errors import ConfigError
 
 __all__ = ["ConfigError", "Offload", "AioConfig", "LossScaleConfig", "OptimizerConfig", "ZeroConfig", "INERT",
-           "DEVICES", "COMPUTE_DTYPES", "ALIGN_BYTES", "OPTIMIZERS"]
+           "DEVICES", "COMPUTE_DTYPES", "ALIGN_BYTES", "OPTIMIZERS", "NVME_CHUNK_BYTES", "NVME_UPDATE"]

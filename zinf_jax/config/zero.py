@@ -17,13 +17,20 @@ from zinf_jax.config.fields import (OPTIMIZERS, BOOL, NONNEG, PATH, POSITIVE, UN
                                      one_of, checked, build_from_dict, nested_field, validate)
 from zinf_jax.errors import ConfigError
 
-__all__ = ["ConfigError", "Offload", "AioConfig", "LossScaleConfig", "OptimizerConfig", "ZeroConfig", "INERT"]
+__all__ = ["ConfigError", "Offload", "AioConfig", "LossScaleConfig", "OptimizerConfig", "ZeroConfig", "INERT",
+           "NVME_CHUNK_BYTES", "NVME_UPDATE"]
 
 DEVICES = ("none", "cpu", "nvme")
 ALIGN_BYTES = 4096  # smallest chunk file: one direct-I/O block
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 ENGINES = ("auto", "compiled", "streamed")
 MOMENTS_DTYPES = ("float32", "bfloat16")
+NVME_CHUNK_BYTES = 16 << 20
+"""The NVMe tier's chunk file size when ``aio.block_size`` is None: the one default the tier
+(:class:`~zinf_jax.tiers.nvme.NvmeTier`), the engine and the estimator read (:attr:`AioConfig.chunk_bytes`)."""
+NVME_UPDATE = "in_place"
+"""How an nvme tier applies a step unless told otherwise: the default of ``ZeroConfig.nvme_update`` and of
+:class:`~zinf_jax.tiers.nvme.NvmeTier`, counted by the estimator through the placement."""
 ACTIVATION_PLACES = (lambda v: isinstance(v, bool) or (isinstance(v, str) and v in ("cpu", "nvme")),
                      "false (device memory), true or 'cpu' (host memory), or 'nvme'")
 
@@ -68,6 +75,12 @@ class AioConfig:
     ``thread_count``); ``None``: 4."""
 
     __post_init__ = validate
+
+    @property
+    def chunk_bytes(self) -> int:
+        """``block_size``, or :data:`NVME_CHUNK_BYTES` when None: the chunk size the tier writes and the estimator
+        counts."""
+        return NVME_CHUNK_BYTES if self.block_size is None else self.block_size
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -180,7 +193,7 @@ class ZeroConfig:
     gathered parameters are still never kept."""
     max_in_flight_bytes: int = checked(1 << 30, as_int, 1)
     """Bytes of tier reads and writes in flight at once (back-pressure bound)."""
-    nvme_update: str = checked("in_place", as_other, *one_of(("in_place", "double_slot")))
+    nvme_update: str = checked(NVME_UPDATE, as_other, *one_of(("in_place", "double_slot")))
     """How nvme tiers apply a step: ``"in_place"`` (one copy on disk; a step interrupted by a crash
     leaves the tier half-updated, refused on reopening and rebuilt from the newest checkpoint) or
     ``"double_slot"`` (every step durable on disk, at twice the disk)."""

@@ -105,7 +105,7 @@ def close_quietly(closable: Any) -> None:
 def _open(where: TierPlacement, config: ZeroConfig, device_of: Callable[[int], jax.Device]) -> Tier:
     return open_tier(where.device, path=where.path, subdir=where.subdir, host_memory=where.host_memory,
                      direct_io=where.direct_io, update=where.update.value, placement=device_of,
-                     max_in_flight_bytes=config.max_in_flight_bytes, chunk_bytes=config.aio.block_size,
+                     max_in_flight_bytes=config.max_in_flight_bytes, chunk_bytes=where.chunk_bytes,
                      threads=config.aio.intra_op_parallelism)
 
 

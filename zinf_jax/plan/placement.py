@@ -75,6 +75,8 @@ class TierPlacement:
       host_memory: how a cpu tier holds its shards: ``"pinned_host"`` jax.Arrays or ``"numpy"`` buffers.
       update: how an nvme tier applies a step.
       direct_io: bypass the page cache (nvme).
+      chunk_bytes: an nvme tier's chunk file size (``aio.block_size`` resolved: the tier writes it, the
+        estimator counts it).
     """
 
     device: str
@@ -83,6 +85,7 @@ class TierPlacement:
     host_memory: str
     update: UpdateMode
     direct_io: bool
+    chunk_bytes: int
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -128,9 +131,11 @@ def place(config: ZeroConfig, compute_dtype: str, *, param_device: str | None = 
     po, oo, update = config.offload_param, config.offload_optimizer, UpdateMode(config.nvme_update)
     pd, od = param_device or po.device, optimizer_device or oo.device
     params = TierPlacement(device=pd, path=po.path if pd == po.device else None, subdir="params",
-                           host_memory="pinned_host", update=update, direct_io=po.direct_io)
+                           host_memory="pinned_host", update=update, direct_io=po.direct_io,
+                           chunk_bytes=config.aio.chunk_bytes)
     optimizer = TierPlacement(device=od, path=oo.path if od == oo.device else None, subdir="optimizer",
-                              host_memory="numpy", update=update, direct_io=oo.direct_io)
+                              host_memory="numpy", update=update, direct_io=oo.direct_io,
+                              chunk_bytes=config.aio.chunk_bytes)
     grads = None if od != "nvme" else dataclasses.replace(optimizer, subdir="grads",
                                                                  update=UpdateMode.SCRATCH)
     act = config.offload_activations

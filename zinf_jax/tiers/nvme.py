@@ -59,6 +59,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import tensorstore as ts
 
+from zinf_jax.config.zero import NVME_CHUNK_BYTES, NVME_UPDATE
 from zinf_jax.plan.placement import UpdateMode
 from zinf_jax._internal.futures import all_of, done_future, failed_future
 from zinf_jax.tiers.base import ByteBudget, ShardSpec, TierDataError, TierError, np_dtype
@@ -67,10 +68,8 @@ from zinf_jax.tiers.direct import aligned_empty, untouched_zeros
 from zinf_jax.tiers.keys import KeyRegistry
 from zinf_jax.tiers.nvme_arrays import ChunkFiles, SlotArrays
 from zinf_jax.tiers.nvme_packs import PACK_BELOW_BYTES, Pack, PackedKeys
-from zinf_jax.tiers.nvme_layout import (
-    FORMAT, MANIFEST, Generation, half_updated, io_error, open_process_dir, read_manifest, syncfs, unlock,
-    write_manifest,
-)
+from zinf_jax.tiers.nvme_layout import (FORMAT, MANIFEST, Generation, half_updated, io_error, open_process_dir,
+                                        read_manifest, syncfs, unlock, write_manifest)
 
 __all__ = ["NvmeTier", "Generation", "read_manifest", "MANIFEST"]
 _WRITTEN = done_future()  # what a packed put returns (resolved, no value: one shared future will do)
@@ -89,8 +88,8 @@ class NvmeTier:
       sync: how writes are made durable before a commit publishes them: ``"write"``/``True``
         (default: every chunk file is ``fdatasync``-ed as it is written), ``"commit"``
         (one ``syncfs`` at commit), ``False`` (not durable; benchmarks only).
-      chunk_bytes: shards larger than this are stored as several chunk files
-        (written, synced and read concurrently).
+      chunk_bytes: shards larger than this are stored as several chunk files (written, synced
+        and read concurrently); default :data:`~zinf_jax.config.zero.NVME_CHUNK_BYTES`.
       read_threads: chunk files read at once.
       write_threads: chunk files written at once.
       direct_min_bytes: unpacked shards smaller than this are read and written by tensorstore's own
@@ -102,8 +101,8 @@ class NvmeTier:
       checksums: compute a digest of every chunk file on write, commit it with
         the data and verify it on every read (default). ``False`` does
         neither (benchmarks only): shards it commits are read unverified.
-      update: ``"double_slot"`` (default), ``"in_place"`` or ``"scratch"``, or the
-        :class:`~zinf_jax.plan.placement.UpdateMode` member (see the module doc).
+      update: ``"double_slot"``, ``"in_place"`` or ``"scratch"``, or the :class:`~zinf_jax.plan.placement.UpdateMode`
+        member (see the module doc); default :data:`~zinf_jax.config.zero.NVME_UPDATE`.
 
     Attributes:
       update: the :class:`~zinf_jax.plan.placement.UpdateMode` it applies steps in.
@@ -126,13 +125,13 @@ class NvmeTier:
         max_in_flight_bytes: int = 1 << 30,
         direct_io: bool = False,
         sync: bool | str = "write",
-        chunk_bytes: int = 16 << 20,
+        chunk_bytes: int = NVME_CHUNK_BYTES,
         read_threads: int = 4,
         write_threads: int = 4,
         direct_min_bytes: int = 1 << 20,
         pack_below_bytes: int = PACK_BELOW_BYTES,
         checksums: bool = True,
-        update: str | UpdateMode = UpdateMode.DOUBLE_SLOT,
+        update: str | UpdateMode = NVME_UPDATE,
     ):
         if sync not in (True, False, "write", "commit"):  # before the lock is taken
             raise ValueError(f"nvme tier sync must be 'commit', 'write' (True) or False, got {sync!r}")

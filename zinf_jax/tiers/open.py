@@ -6,6 +6,7 @@ from typing import Callable
 
 import jax
 
+from zinf_jax.config.zero import NVME_UPDATE
 from zinf_jax.plan.placement import UpdateMode
 from zinf_jax.tiers.base import Tier
 from zinf_jax.tiers.memory import CpuTier, DeviceTier
@@ -23,7 +24,7 @@ def open_tier(
     placement: Callable[[int], jax.Device] | None = None,
     max_in_flight_bytes: int = 1 << 30,
     direct_io: bool = False,
-    update: str | UpdateMode = UpdateMode.DOUBLE_SLOT,
+    update: str | UpdateMode = NVME_UPDATE,
     chunk_bytes: int | None = None,
     threads: int | None = None,
 ) -> Tier:
@@ -39,7 +40,8 @@ def open_tier(
       max_in_flight_bytes: back-pressure bound.
       direct_io: bypass the page cache (nvme).
       update: an :class:`~zinf_jax.plan.placement.UpdateMode` or its value, ``"double_slot"``,
-        ``"in_place"`` or ``"scratch"`` (nvme only, checked there; see :class:`NvmeTier`).
+        ``"in_place"`` or ``"scratch"`` (nvme only, checked there; see :class:`NvmeTier`; default
+        ``ZeroConfig.nvme_update``'s).
       chunk_bytes: nvme chunk file size (``None``: the tier's default).
       threads: nvme threads reading and writing chunk files (``None``: the tier's default).
 
