@@ -36,7 +36,7 @@ from typing import Any
 
 _EXPORTS = {
     "zinf_jax.api": ("Engine", "initialize", "restore"),
-    "zinf_jax.engine.weights": ("TensorMap", "from_safetensors"),
+    "zinf_jax.engine.weights": ("TensorMap", "from_safetensors", "TIED_EMBEDDINGS"),
     "zinf_jax.config": ("AioConfig", "LossScaleConfig", "Offload", "OptimizerConfig", "ZeroConfig"),
     "zinf_jax.errors": ("ZinfError", "ConfigError", "CheckpointError", "ParamMismatchError", "EngineError",
                         "TierError", "TierDataError", "UnitPolicyError"),
@@ -73,7 +73,7 @@ def _version() -> str:
 __version__ = _version()
 
 __all__ = [
-    "Engine", "initialize", "restore", "from_safetensors", "TensorMap",
+    "Engine", "initialize", "restore", "from_safetensors", "TensorMap", "TIED_EMBEDDINGS",
     "ZeroConfig", "Offload", "AioConfig", "LossScaleConfig", "OptimizerConfig",
     "adam", "adamw",
     "make_mesh", "plan_partition", "format_table",

@@ -9,9 +9,15 @@ more than one shard, ``model-00001-of-0000N.safetensors`` files and a
 are written, as Hugging Face does; one shard is a single ``model.safetensors``. Every file is
 written under a temporary name and renamed when complete; ``safetensors.numpy.load_file`` (and so
 any Hugging Face loader) reads them.
+
+Tied weights: ``rename`` may map several parameters to one tensor name (a head kept equal to the
+embedding table it was loaded from, :data:`~zinf_jax.engine.weights.TIED_EMBEDDINGS`); the tensor is
+written once, and only if their values, as written, are bitwise equal. A model whose head *is* its
+embedding (one parameter read twice) has one parameter, written once.
 """
 from __future__ import annotations
 
+import collections
 import os
 from pathlib import Path
 from typing import Callable
@@ -57,7 +63,7 @@ def save_safetensors(view: TrainingState, directory: str | os.PathLike, *, renam
       max_shard_bytes: the largest shard file (a tensor larger than this gets a file of its own).
 
     Raises:
-      ValueError: two parameters renamed to one name, or a bad reshape.
+      ValueError: two parameters renamed to one name whose values differ, or a bad reshape.
       RuntimeError: a multi-process job (each process holds only some shards).
     """
     import ml_dtypes  # noqa: F401  (bfloat16 for numpy)
@@ -67,7 +73,10 @@ def save_safetensors(view: TrainingState, directory: str | os.PathLike, *, renam
     root.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, np.ndarray]] = []
     current: dict[str, np.ndarray] = {}
-    size, total, seen, names = 0, 0, set(), {}
+    size, total, names = 0, 0, {}
+    tied: dict[str, np.ndarray] = {}  # name -> the value written, of a name two parameters map to
+    targets = {path: _target(rename, path) for group in view.groups for path in group}
+    uses = collections.Counter(how.path for how in targets.values() if how is not None)
     written: list[Path] = []
 
     def flush() -> None:
@@ -81,19 +90,25 @@ def save_safetensors(view: TrainingState, directory: str | os.PathLike, *, renam
 
     for group in view.groups:  # unit by unit, in the model's order
         for path in group:
-            how = _target(rename, path)
+            how = targets[path]
             if how is None:
                 continue
-            if how.path in seen:
-                raise ValueError(f"save_safetensors: {path!r} and {names[how.path]!r} are both renamed to {how.path!r}")
-            seen.add(how.path)
-            names[how.path] = path
             value = view.value(path)
             if how.transpose is not None:
                 value = np.transpose(value, how.transpose)
             if how.reshape is not None:
                 value = value.reshape(how.reshape)
             value = np.ascontiguousarray(value.astype(out_dtype))
+            if how.path in names:  # tied: written once, if the values agree
+                first = tied.get(how.path)
+                if first is None or first.shape != value.shape or first.tobytes() != value.tobytes():
+                    raise ValueError(f"save_safetensors: {path!r} and {names[how.path]!r} are both renamed to "
+                                     f"{how.path!r} and their values differ (tied parameters must stay equal; "
+                                     "rename one to another name, or to None to leave it out)")
+                continue
+            names[how.path] = path
+            if uses[how.path] > 1:  # kept to compare the others with
+                tied[how.path] = value
             if current and size + value.nbytes > max_shard_bytes:
                 flush()
             current[how.path] = value

@@ -62,11 +62,31 @@ def micro_batches(batch: Any, k: int) -> list[Any]:
             for i in range(k)]
 
 
+def _replicate_state(node: Any, mesh: Mesh) -> None:
+    """Places the arrays of an NNX object passed with the batch (an ``nnx.Rngs``) on every device of ``mesh``,
+    in place.
+
+    A step writes the object's new state back replicated; placed so from the first step on, the object
+    reused across steps has the same types every step, and the step's program is not compiled again (as
+    under ``nnx.jit``, which does not specialise on an uncommitted argument's device).
+    """
+    rep = NamedSharding(mesh, P())
+
+    def put(v: Any) -> Any:
+        if isinstance(v, jax.Array) and not (isinstance(v.sharding, NamedSharding) and v.sharding.mesh == mesh):
+            return jax.device_put(v, rep)
+        return v
+
+    state = nnx.state(node)
+    nnx.update(node, jax.tree.map(put, state))
+
+
 def shard_batch(batch: Any, mesh: Mesh, model_axes: Collection[str] = ()) -> Any:
     """Places a process-local batch on ``mesh``, the leading axis split over the batch axes.
 
     Arrays already on the mesh stay; typed PRNG keys (``jax.random.key(step)``)
-    are replicated; NNX objects (an ``nnx.Rngs``) pass through as state. ``model_axes``: the axes
+    are replicated; NNX objects (an ``nnx.Rngs``) pass through as state, their arrays replicated in place.
+    ``model_axes``: the axes
     the model splits its parameters over (tensor parallelism), which replicate the batch
     (:func:`~zinf_jax.plan.partition.batch_axes_of`).
     """
@@ -74,6 +94,7 @@ def shard_batch(batch: Any, mesh: Mesh, model_axes: Collection[str] = ()) -> Any
 
     def put(path: Any, x: Any) -> Any:
         if nnx.graph.is_graph_node(x):  # an nnx.Rngs passed with the batch: state, not data
+            _replicate_state(x, mesh)
             return x
         if isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh:
             return x

@@ -28,6 +28,7 @@ import jax
 import numpy as np
 
 from zinf_jax.engine.store import ParamStore
+from zinf_jax.engine.weights import LazyTensor, slice_key
 from zinf_jax.plan.partition import ParamLayout, to_stored
 
 __all__ = ["init_unit_by_unit", "param_groups", "param_batches", "INIT_BATCH_BYTES"]
@@ -130,4 +131,10 @@ def _place(layout: ParamLayout, value: Any, dtype: Any, sharding: Any) -> jax.Ar
     if layout.kind == "flat":
         host = to_stored(layout, np.asarray(value, dtype))
         return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
-    return jax.make_array_from_callback(tuple(layout.shape), sharding, lambda idx: np.asarray(value[idx], dtype))
+    shape = tuple(layout.shape)
+    if not isinstance(value, LazyTensor):
+        return jax.make_array_from_callback(shape, sharding, lambda idx: np.asarray(value[idx], dtype))
+    # this process's slices read together: each byte once (a slice held by several devices, a reshape)
+    wanted = list(sharding.addressable_devices_indices_map(shape).values())
+    parts = {slice_key(i, shape): np.asarray(v, dtype) for i, v in zip(wanted, value.read_slices(wanted))}
+    return jax.make_array_from_callback(shape, sharding, lambda idx: parts[slice_key(idx, shape)])

@@ -10,6 +10,16 @@ dtype. So a process reads only its own shards (the bandwidth-centric load of ZeR
 init batch at a time, and the whole model is never in host RAM. The file handles are opened per
 read and closed after it: the mapped pages a read touched leave the process with it.
 
+Tied weights: ``rename`` may map one file tensor to several model paths (a list: the embedding
+table that is also a separate head's kernel), and ``fill`` names, for a tensor a file may lack,
+the tensor that stands in for it (``{"lm_head.weight": "model.embed_tokens.weight"}``:
+:data:`TIED_EMBEDDINGS`, what Qwen3, Gemma and Llama 3.2 checkpoints with tied embeddings need
+for a model with its own head).
+
+Reads: a process reads each byte of a tensor at most once per parameter it feeds
+(:meth:`LazyTensor.read_slices`): the slices of its devices are read together, a slice shared by
+several of its devices once, and a reshaped tensor whole once for all of them.
+
 Errors name the tensor: a model parameter no file holds, a file tensor ``rename`` maps nowhere
 (return ``None`` from ``rename`` to skip one on purpose), two tensors mapped to one parameter,
 or a shape that differs from the model's.
@@ -22,11 +32,11 @@ import math
 import os
 import threading
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["TensorMap", "Rename", "LazyTensor", "SafetensorsSource", "from_safetensors", "INDEX"]
+__all__ = ["TensorMap", "Rename", "LazyTensor", "SafetensorsSource", "from_safetensors", "INDEX", "TIED_EMBEDDINGS"]
 
 INDEX = "model.safetensors.index.json"
 """The index file of a sharded checkpoint (Hugging Face's name): ``{"weight_map": {tensor: file}}``."""
@@ -48,12 +58,34 @@ class TensorMap:
     reshape: tuple[int, ...] | None = None
 
 
-Rename = Callable[[str], "str | TensorMap | None"]
-"""``rename(name) -> path | TensorMap | None``: where a tensor goes (``None``: skip it)."""
+Rename = Callable[[str], "str | TensorMap | Sequence[str | TensorMap] | None"]
+"""``rename(name) -> path | TensorMap | [path | TensorMap, ...] | None``: where a tensor goes (a list: to
+each of several model paths, e.g. a tied embedding that is also a head's kernel; ``None``: skip it)."""
+
+TIED_EMBEDDINGS: Mapping[str, str] = {"lm_head.weight": "model.embed_tokens.weight"}
+"""``from_safetensors(..., fill=TIED_EMBEDDINGS)``: a Hugging Face checkpoint with tied embeddings (no
+``lm_head.weight``) read into a model with a separate head, the head taken from the embedding table."""
 
 
 def _as_map(target: str | TensorMap | None) -> TensorMap | None:
     return TensorMap(target) if isinstance(target, str) else target
+
+
+def _as_maps(target: Any) -> list[TensorMap]:
+    """``rename``'s answer as a list of maps (empty: skip the tensor)."""
+    if target is None:
+        return []
+    if isinstance(target, (str, TensorMap)):
+        return [_as_map(target)]
+    return [_as_map(t) for t in target if t is not None]
+
+
+def slice_key(idx: Any, shape: Sequence[int]) -> tuple[tuple[int, int, int], ...]:
+    """An index of ``shape`` (a tuple of slices, as ``jax.make_array_from_callback`` passes) as a hashable
+    key: ``(start, stop, step)`` per dimension."""
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    idx = idx + (slice(None),) * (len(shape) - len(idx))
+    return tuple(s.indices(n) for s, n in zip(idx, shape))
 
 
 def _load_ml_dtypes() -> None:
@@ -77,7 +109,8 @@ class LazyTensor:
 
     Indexing (``t[idx]``, as :func:`jax.make_array_from_callback` does per device) reads only
     that slice when ``rename`` only transposed (or did nothing); a reshape reads the whole tensor.
-    ``np.asarray(t)`` reads all of it.
+    ``np.asarray(t)`` reads all of it. :meth:`read_slices` reads the slices of a process's devices
+    together, each byte once.
 
     Attributes:
       shape: the shape in the model (after the transpose and reshape).
@@ -119,6 +152,23 @@ class LazyTensor:
         for k, axis in enumerate(perm):  # model axis k is file axis perm[k]
             file_index[axis] = idx[k]
         return np.transpose(self._read(tuple(file_index)), perm)
+
+    def read_slices(self, indices: Sequence[Any]) -> list[np.ndarray]:
+        """The values at each of ``indices`` (as :meth:`__getitem__` takes them), each byte read once.
+
+        Equal indices (devices of one process that hold the same shard: replicas over a mesh axis the
+        parameter is not split on) are read once; a reshaped tensor is read whole once and cut for all
+        (a slice of the reshaped tensor is not a slice of the file's).
+        """
+        keys = [slice_key(i, self.shape) for i in indices]
+        if self._how.reshape is not None and keys:
+            full = self.__array__()
+            return [full[tuple(slice(*k) for k in key)] for key in keys]
+        read: dict[tuple, np.ndarray] = {}
+        for key in keys:
+            if key not in read:
+                read[key] = self[tuple(slice(*k) for k in key)]
+        return [read[key] for key in keys]
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         full = self._read(tuple(slice(None) for _ in self._file_shape))
@@ -166,15 +216,18 @@ class SafetensorsSource:
     Args:
       path: a ``.safetensors`` file, a directory holding them (or an index), or a
         ``model.safetensors.index.json``.
-      rename: ``rename(name) -> model path | TensorMap | None`` (default: the name itself, with
-        ``.`` read as ``/``: ``layers.0.mlp.kernel`` is ``layers/0/mlp/kernel``).
+      rename: ``rename(name) -> model path | TensorMap | [path | TensorMap, ...] | None`` (default:
+        the name itself, with ``.`` read as ``/``: ``layers.0.mlp.kernel`` is ``layers/0/mlp/kernel``).
+      fill: ``{name: other}``: where the files hold no tensor ``name``, tensor ``other`` is read in its
+        place (then renamed as ``name``): :data:`TIED_EMBEDDINGS`. A name the files hold is read as it is.
 
     Raises:
       FileNotFoundError: nothing to read there.
-      ValueError: an unreadable index or header, two tensors renamed onto one path, a bad reshape.
+      ValueError: an unreadable index or header, two tensors renamed onto one path, a bad reshape, a
+        ``fill`` whose stand-in the files do not hold either.
     """
 
-    def __init__(self, path: str | os.PathLike, rename: Rename | None = None):
+    def __init__(self, path: str | os.PathLike, rename: Rename | None = None, fill: Mapping[str, str] | None = None):
         from safetensors import safe_open
 
         _load_ml_dtypes()
@@ -183,22 +236,32 @@ class SafetensorsSource:
         self.skipped: list[str] = []  # tensors rename mapped to None
         self.tensors: dict[str, LazyTensor] = {}
         origin: dict[str, str] = {}
+        header: dict[str, tuple[Path, str, tuple[int, ...], np.dtype]] = {}  # name -> (file, stored name, ...)
         for file in _files(self.path):
             try:
                 with safe_open(str(file), framework="numpy") as f:
-                    header = {n: (tuple(f.get_slice(n).get_shape()), self._dtype(f, n)) for n in f.keys()}
+                    header.update({n: (file, n, tuple(f.get_slice(n).get_shape()), self._dtype(f, n))
+                                   for n in f.keys()})
             except Exception as e:  # noqa: BLE001 (safetensors raises its own SafetensorError, OSError...)
                 raise ValueError(f"safetensors file {str(file)!r} cannot be read: {e}") from e
-            for name, (shape, dtype) in header.items():
-                how = _as_map(rename(name) if rename is not None else name.replace(".", "/"))
-                if how is None:
-                    self.skipped.append(name)
-                    continue
+        for name, other in (fill or {}).items():
+            if name in header:
+                continue
+            if other not in header:
+                raise ValueError(f"from_safetensors(fill=...): the files hold neither {name!r} nor {other!r}, "
+                                 "its stand-in")
+            header[name] = header[other]
+        self.filled = [n for n in (fill or {}) if header[n][1] != n]  # names read from their stand-in
+        for name, (file, stored, shape, dtype) in header.items():
+            maps = _as_maps(rename(name) if rename is not None else name.replace(".", "/"))
+            if not maps:
+                self.skipped.append(name)
+            for how in maps:
                 if how.path in origin:
                     raise ValueError(f"from_safetensors: {name!r} and {origin[how.path]!r} are both renamed to "
                                      f"{how.path!r}")
                 origin[how.path] = name
-                self.tensors[how.path] = LazyTensor(file, name, shape, dtype, how, self._counter)
+                self.tensors[how.path] = LazyTensor(file, stored, shape, dtype, how, self._counter)
 
     @staticmethod
     def _dtype(f: Any, name: str) -> np.dtype:
@@ -220,7 +283,8 @@ class SafetensorsSource:
         return f"SafetensorsSource({str(self.path)!r}, {len(self.tensors)} tensors)"
 
 
-def from_safetensors(path: str | os.PathLike, rename: Rename | None = None) -> SafetensorsSource:
+def from_safetensors(path: str | os.PathLike, rename: Rename | None = None,
+                     fill: Mapping[str, str] | None = None) -> SafetensorsSource:
     """Open weights as an ``initialize(params=...)`` source, read lazily, each process its own slices.
 
     Example (a Hugging Face Llama checkpoint onto an NNX model whose paths differ)::
@@ -236,15 +300,21 @@ def from_safetensors(path: str | os.PathLike, rename: Rename | None = None) -> S
         engine = zinf.initialize(lambda: Llama(cfg, rngs=nnx.Rngs(0)), params=zinf.from_safetensors(
             "llama/", rename=hf_to_flax), loss_fn=loss_fn)
 
+    A checkpoint with tied embeddings (no ``lm_head.weight``) into a model with its own head:
+    ``fill=zinf.TIED_EMBEDDINGS``; into a tied model, ``rename`` skips nothing and maps nothing to a
+    head; one tensor into several parameters: ``rename`` returns a list.
+
     Args:
       path: a ``.safetensors`` file, a directory of them, or a ``model.safetensors.index.json``.
-      rename: file tensor name -> model path, :class:`TensorMap` (transpose/reshape too) or None (skip).
+      rename: file tensor name -> model path, :class:`TensorMap` (transpose/reshape too), a list of
+        them (one tensor feeding several parameters), or None (skip).
+      fill: file tensor name -> the tensor read in its place where the files lack it.
 
     Returns:
       A :class:`SafetensorsSource`; the engine checks it against the model's parameters (every one
       present, none extra, the same shapes) and names any mismatch.
     """
-    return SafetensorsSource(path, rename)
+    return SafetensorsSource(path, rename, fill)
 
 
 def lazy_values(source: Any) -> Mapping[str, LazyTensor] | None:
