@@ -29,7 +29,7 @@ from flax.core import spmd as core_spmd
 from jax.sharding import Mesh
 
 from zinf_jax.engine.adapters import READ, EngineError, Hook, HookSlot, InitTrace, get_path, leaf_paths
-from zinf_jax.plan.model_mesh import ModelMesh
+from zinf_jax.plan.model_mesh import ModelMesh, spec_of
 from zinf_jax.plan.units import Unit, UnitPolicy, UnitPolicyError, nbytes_of, path_str, select_units
 
 __all__ = ["NnxAdapter", "UnitProxy"]
@@ -110,6 +110,14 @@ def _own_spec(var: nnx.Variable) -> tuple | None:
         return None
     spec = core_spmd.apply_rules(spec, meta.get("sharding_rules"))
     spec = tuple(getattr(spec, "spec", spec))
+    return spec if any(e is not None for e in spec) else None
+
+
+def _typed_spec(aval: Any) -> tuple | None:
+    """The mesh axes of each dimension of a parameter from its type: the sharding its initialiser gave it
+    (``init(key, shape, out_sharding=P(...))``, ``jnp.zeros(..., out_sharding=...)``: JAX's
+    sharding-in-types, traced with the mesh's Explicit axes set), or ``None`` when it names none."""
+    spec = tuple(spec_of(aval))
     return spec if any(e is not None for e in spec) else None
 
 
@@ -222,6 +230,9 @@ class NnxAdapter:
         self.abstract_params = {path_str(p): jax.ShapeDtypeStruct(l.shape, l.dtype) for p, l in zip(paths, leaves)}
         self.layout_hints = {canon[id(v)]: spec for _, v in nnx.iter_graph(abstract)
                              if isinstance(v, nnx.Param) and (spec := _own_spec(v)) is not None}
+        for path in self.abstract_params:  # no metadata: the spec its initialiser gave it (out_sharding=...)
+            if path not in self.layout_hints and (spec := _typed_spec(self._init_trace.avals[path])) is not None:
+                self.layout_hints[path] = spec
         self.own_shardings = bool(self.layout_hints)  # Flax eager sharding's metadata: see plan.model_mesh
         modules = dict(nnx.iter_modules(abstract))
         sizes = {p: int(l.size) for p, l in zip(paths, leaves)}
