@@ -37,10 +37,12 @@ import jax.numpy as jnp
 from zinf_jax._internal.flops import matmul_flops
 from zinf_jax._internal.fmt import human_bytes
 from zinf_jax.config import ZeroConfig
+from zinf_jax.engine.host_budget import buffer_set_bytes
 from zinf_jax.engine.wrap import make_adapter, trainable_paths
 from zinf_jax.estimate_step import StepDigest, simulate, step_io
 from zinf_jax.optim.grads_out import IN_RAM_BELOW
 from zinf_jax.optim.subgroups import PACK_BELOW, PACK_ELEMENTS, pool_geometry, sub_groups
+from zinf_jax.plan.host_memory import HostPlan, HostSizes, plan_host
 from zinf_jax.plan.partition import local_shard_devices, make_mesh, plan_partition
 from zinf_jax.plan.placement import place
 from zinf_jax.plan.units import UnitPolicy, persistent_paths
@@ -48,7 +50,7 @@ from zinf_jax.tiers.nvme_layout import chunk_shape
 from zinf_jax.tiers.nvme_packs import PACK_BELOW_BYTES, packed_nbytes
 
 __all__ = ["Machine", "MemoryEstimate", "CONFIGURATIONS", "RUNTIME_OVERHEAD", "estimate", "estimate_from_sizes",
-           "estimate_from_model", "fits", "format_report"]
+           "estimate_from_model", "fits", "format_report", "format_host_plans"]
 
 CONFIGURATIONS: tuple[tuple[str, str], ...] = tuple((p, o) for p in ("none", "cpu", "nvme") for o in ("cpu", "nvme"))
 """Every ``(param tier, optimizer tier)`` pair."""
@@ -108,6 +110,11 @@ class MemoryEstimate:
         device figures follow the streamed schedule (units gathered ``prefetch_depth`` ahead); a compiled
         engine's program reports its own: ``engine.lower(batch).compile().memory_analysis()``.
       platform: ``"cpu"``, ``"gpu"`` or ``"tpu"``: on ``"cpu"`` the devices also move the tiers' bytes.
+      host_plan: the engine's host buffers planned against ``config.host_memory_limit``
+        (:mod:`zinf_jax.plan.host_memory`), the process's own memory taken as the runtime overhead; the engine
+        plans the same items from its layouts and its measured memory.
+      step_host_bytes: the step's working set in host RAM that the plan leaves to the limit's headroom: on a
+        CPU mesh the devices' saved activations and XLA working set (0 on an accelerator).
     """
 
     param_tier: str
@@ -130,6 +137,19 @@ class MemoryEstimate:
     step_pass_write_bytes: int = 0
     step_flops: int = 0
     platform: str = "gpu"
+    host_plan: HostPlan | None = None
+    step_host_bytes: int = 0
+
+    @property
+    def planned_host_bytes(self) -> int:
+        """Host RAM of one process at the step's peak: the host plan's total and the step's working set."""
+        return (self.host_plan.total if self.host_plan else 0) + self.step_host_bytes
+
+    def fits_host_limit(self) -> bool | None:
+        """Whether :attr:`planned_host_bytes` fits ``host_memory_limit`` (None: no limit given)."""
+        if self.host_plan is None or self.host_plan.limit is None:
+            return None
+        return self.host_plan.fits and self.planned_host_bytes <= self.host_plan.limit
 
     def io_seconds(self, read_gbps: float, write_gbps: float | None = None) -> float:
         """Seconds a training step's disk traffic of one process needs at these bandwidths (GB/s, 1e9 B).
@@ -253,6 +273,16 @@ def _estimate(d: StepDigest, config: ZeroConfig, pt: str, ot: str, platform: str
     flops = d.forward_flops * (4 if config.activation_checkpointing else 3) // d.n_processes
     # transient host copies: nvme param reads before their device copy, tensorstore's copies of optimizer writes
     staging = (pt == "nvme") * (1 + config.prefetch_depth) * max(d.unit_held, default=0) + (ot == "nvme") * buffers
+    sizes = HostSizes(unit_held=d.unit_held, unit_gathered=d.unit_gathered, params_on_nvme=pt == "nvme",
+                      device_is_host=platform == "cpu",
+                      buffer_set=buffer_set_bytes(config, grads_out, d.packs, d.max_chunk), sets=d.groups,
+                      assembly=d.assembly, optimizer_on_nvme=ot == "nvme",
+                      grad_ram=d.grad_ram if grads_out else d.grad,
+                      grad_unit=max(d.unit_grad, default=0) if grads_out else 0, resident_tiers=cpu_p + cpu_o)
+    host_plan = plan_host(sizes, runtime=RUNTIME_OVERHEAD.get(platform, RUNTIME_OVERHEAD["gpu"])[1],
+                          prefetch_depth=config.prefetch_depth, buffer_count=config.offload_optimizer.buffer_count,
+                          limit=config.host_memory_limit, max_live_bytes=config.max_live_bytes)
+    step_host = (dev.get("activations", 0) + d.workspace * d.n_local) if platform == "cpu" else 0
     return MemoryEstimate(
         param_tier=pt, optimizer_tier=ot, device_bytes=per_device(dev), device_bytes_local=sum(dev.values()),
         host_bytes=sum(host.values()), nvme_bytes=sum(nvme.values()), breakdown=breakdown,
@@ -260,7 +290,8 @@ def _estimate(d: StepDigest, config: ZeroConfig, pt: str, ot: str, platform: str
         host_overhead_bytes=RUNTIME_OVERHEAD.get(platform, RUNTIME_OVERHEAD["gpu"])[1] + staging,
         n_devices=d.n_local, n_processes=d.n_processes, compute_dtype=d.compute_dtype, params=d.params,
         engine=where.engine, step_read_bytes=read, step_write_bytes=write, step_pass_read_bytes=pass_read,
-        step_pass_write_bytes=pass_write, step_flops=flops, platform=platform)
+        step_pass_write_bytes=pass_write, step_flops=flops, platform=platform, host_plan=host_plan,
+        step_host_bytes=step_host)
 
 
 def estimate_from_sizes(
@@ -491,6 +522,24 @@ def estimate(model: Any = None, /, **kwargs: Any) -> list[MemoryEstimate]:
 def fits(estimates: Iterable[MemoryEstimate], machine: Machine) -> list[MemoryEstimate]:
     """The configurations whose every tier fits ``machine``."""
     return [e for e in estimates if e.fits(machine)]
+
+
+def format_host_plans(estimates: Sequence[MemoryEstimate]) -> str:
+    """Per configuration, whether its host plan fits ``host_memory_limit``, the smallest limit that fits and what
+    bounds it (:attr:`MemoryEstimate.host_plan`), then the plan's items."""
+    lines = []
+    for e in estimates:
+        plan = e.host_plan
+        if plan is None:
+            continue
+        ok = e.fits_host_limit()
+        verdict = "" if ok is None else ("fits" if ok else "does not fit") + f" {human_bytes(plan.limit)}: "
+        lines.append(f"({e.param_tier}, {e.optimizer_tier}) host: {verdict}{human_bytes(e.planned_host_bytes)} at "
+                     f"prefetch_depth={plan.prefetch_depth}, buffer_count={plan.buffer_count} (the step's working "
+                     f"set {human_bytes(e.step_host_bytes)}); smallest limit that fits "
+                     f"{human_bytes(plan.minimum + e.step_host_bytes)}; bounded by: {'; '.join(plan.lowering[:3])}")
+        lines += ["    " + x.strip() for x in plan.describe().splitlines()[1:]]
+    return "\n".join(lines)
 
 
 def format_report(estimates: Sequence[MemoryEstimate], machine: Machine | None = None,

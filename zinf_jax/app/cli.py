@@ -120,6 +120,9 @@ def _estimate_parser(sub: argparse._SubParsersAction) -> None:
                    "seconds (the step's disk part needs --disk-gbps)")
     p.add_argument("--moments-dtype", default="float32", choices=MOMENTS_DTYPES,
                    help="Adam moments' storage; default: %(default)s")
+    p.add_argument("--host-memory-limit", metavar="BYTES", help="host RAM one process may use (e.g. 8GiB, 16GB; "
+                   "ZeroConfig.host_memory_limit): says per configuration whether the engine's host plan fits, the "
+                   "smallest limit that does and what bounds it")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -203,7 +206,7 @@ def _main(argv: list[str] | None, stop: StopRequest) -> int:
 
             print(f"zinf-jax plot: wrote {plot_run(a.run_dir, a.out)}")
             return 0
-        from zinf_jax.estimate import Machine, estimate_from_sizes, format_report
+        from zinf_jax.estimate import Machine, estimate_from_sizes, format_host_plans, format_report
 
         _check_estimate(a)
         if a.layers is None or a.hidden is None:
@@ -212,7 +215,8 @@ def _main(argv: list[str] | None, stop: StopRequest) -> int:
 
         ests = estimate_from_sizes(None if a.params is None else int(a.params), a.layers, a.hidden, a.vocab, a.seq,
                                    a.batch, n_devices=a.devices, n_processes=a.processes, platform="gpu",
-                                   config=ZeroConfig(moments_dtype=a.moments_dtype))
+                                   config=ZeroConfig(moments_dtype=a.moments_dtype,
+                                                     host_memory_limit=a.host_memory_limit))
         gib = 1 << 30
         machine = None
         if None not in (a.gpu_gib, a.host_gib, a.disk_gib):
@@ -227,6 +231,8 @@ def _main(argv: list[str] | None, stop: StopRequest) -> int:
             print(json.dumps(rows, indent=1, default=str))
         else:
             print(format_report(ests, machine, disk_gbps=a.disk_gbps, device_tflops=a.device_tflops))
+            if a.host_memory_limit is not None:
+                print(format_host_plans(ests))
         return 0
     except Interrupted as e:
         print(f"zinf-jax {a.command}: {e}", file=sys.stderr)

@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping
 
 from zinf_jax.errors import ConfigError
 
-__all__ = ["Invalid", "as_int", "as_float", "as_other", "as_names", "one_of", "checked", "nested_field", "validate",
+__all__ = ["Invalid", "as_int", "as_bytes", "as_float", "as_other", "as_names", "one_of", "checked", "nested_field", "validate",
            "build_from_dict", "as_patterns", "NONNEG", "POSITIVE", "UNIT", "BOOL", "PATH", "OPTIMIZERS"]
 
 OPTIMIZERS = ("adam", "adamw")
@@ -31,6 +31,28 @@ def as_int(value: Any, minimum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
         raise Invalid("an integer" + ("" if minimum is None else f" >= {minimum}"))
     return value
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 1 << 10, "m": 10**6, "mb": 10**6, "mib": 1 << 20,
+               "g": 10**9, "gb": 10**9, "gib": 1 << 30, "t": 10**12, "tb": 10**12, "tib": 1 << 40}
+
+
+def as_bytes(value: Any, minimum: int = 1) -> int:
+    """Returns a byte count: an int (or an integral float), or a str with an optional unit, decimal or binary
+    (``"8GiB"``, ``"512 MiB"``, ``"16GB"``, ``"4e9"``)."""
+    accepted = f"a byte count >= {minimum}: an int, or a str such as '8GiB', '512 MiB', '16GB'"
+    if isinstance(value, str):
+        import re
+
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", value.lower())
+        if m is None or m.group(2) not in _BYTE_UNITS:
+            raise Invalid(accepted)
+        value = float(m.group(1)) * _BYTE_UNITS[m.group(2)]
+        value = int(value) if math.isfinite(value) else value
+    try:
+        return as_int(value, minimum)
+    except Invalid:
+        raise Invalid(accepted) from None
 
 
 def as_float(value: Any, test: Callable[[float], bool], accepted: str) -> float:

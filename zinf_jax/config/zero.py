@@ -12,7 +12,8 @@ from typing import Any, Mapping
 
 from zinf_jax.config.deepspeed import RunValues, resolve_deepspeed
 from zinf_jax.config.schedule import LRSchedule
-from zinf_jax.config.fields import (OPTIMIZERS, BOOL, NONNEG, PATH, POSITIVE, UNIT, as_float, as_int, as_names, as_other,
+from zinf_jax.config.fields import (OPTIMIZERS, BOOL, NONNEG, PATH, POSITIVE, UNIT, as_bytes, as_float, as_int, as_names,
+                                     as_other,
                                      as_patterns,
                                      one_of, checked, build_from_dict, nested_field, validate)
 from zinf_jax.errors import ConfigError
@@ -193,6 +194,14 @@ class ZeroConfig:
     gathered parameters are still never kept."""
     max_in_flight_bytes: int = checked(1 << 30, as_int, 1)
     """Bytes of tier reads and writes in flight at once (back-pressure bound)."""
+    host_memory_limit: int | None = checked(None, as_bytes, 1 << 20, optional=True)
+    """Host RAM this process may use, in bytes (or a str: ``"8GiB"``, ``"16GB"``); ``None``: no budget. The engine
+    plans every host buffer it owns from it (:mod:`zinf_jax.plan.host_memory`: nvme read staging and prefetch
+    depth, the optimizer's buffer sets, gradient shards held in RAM, the trim slack), counting the process's own
+    resident memory (JAX, XLA, Python) as measured when it starts, and starts only if the plan fits: else a
+    :class:`ConfigError`, before anything is written, naming the smallest limit that fits and the settings that
+    would lower it. What is left of the limit is the step's working set (on a CPU mesh, the activations).
+    ``zinf-jax estimate --host-memory-limit`` reports the same plan."""
     nvme_update: str = checked(NVME_UPDATE, as_other, *one_of(("in_place", "double_slot")))
     """How nvme tiers apply a step: ``"in_place"`` (one copy on disk; a step interrupted by a crash
     leaves the tier half-updated, refused on reopening and rebuilt from the newest checkpoint) or

@@ -27,6 +27,7 @@ from zinf_jax._internal.multihost import allreduce_sum
 from zinf_jax.config import ZeroConfig
 from zinf_jax.engine.activations import parking_for
 from zinf_jax.engine.grads import GradSink
+from zinf_jax.engine.host_budget import plan_for, planned_config, sizes_of
 from zinf_jax.engine.init import init_unit_by_unit
 from zinf_jax.engine.lifecycle import LifeCycle
 from zinf_jax.engine.overlap import WriteGate
@@ -41,6 +42,7 @@ from zinf_jax.optim.fused import FusedAdam, fused_refusal
 from zinf_jax.plan.model_mesh import ModelMesh
 from zinf_jax.plan.partition import (ParamLayout, auto_axes, local_shard_devices, model_axes_of, owns_shard,
                                      plan_partition, split_local)
+from zinf_jax.plan.host_memory import HostPlan
 from zinf_jax.plan.placement import Placement, TierPlacement, place
 from zinf_jax.plan.units import persistent_paths
 from zinf_jax.tiers import Tier, open_tier
@@ -70,6 +72,8 @@ class Components:
       gate: the write gate of overlapped steps (see :mod:`zinf_jax.engine.overlap`).
       life: the engine's life cycle.
       user_state: JSON data saved with each checkpoint (the engine's ``user_state``).
+      host_plan: the host buffers planned against ``config.host_memory_limit`` (``config`` holds the settings
+        it picked).
     """
 
     adapter: Any
@@ -89,6 +93,7 @@ class Components:
     gate: WriteGate
     life: LifeCycle = dataclasses.field(default_factory=LifeCycle)
     user_state: dict[str, Any] = dataclasses.field(default_factory=dict)
+    host_plan: HostPlan | None = None
 
     @property
     def tiers(self) -> list[Tier]:
@@ -121,7 +126,10 @@ def build(adapter: Any, *, config: ZeroConfig, mesh: Mesh, optimizer: Any, init:
       init: ``"fresh"`` creates the parameters (from ``params`` if given); ``"none"`` leaves the
         tiers empty for a checkpoint restore.
 
-    A failure while building closes every tier opened so far (and releases its lock).
+    A failure while building closes every tier opened so far (and releases its lock). With
+    ``config.host_memory_limit`` the host buffers are planned first (:mod:`zinf_jax.engine.host_budget`): a plan
+    that cannot fit is a ConfigError before any tier is opened; one that fits sets the prefetch depth, live bytes,
+    buffer count and trim slack the engine runs.
     """
     trained = trainable_paths(adapter, trainable)
     pretrained = None if params is None else Pretrained(params, adapter.abstract_params)
@@ -132,6 +140,11 @@ def build(adapter: Any, *, config: ZeroConfig, mesh: Mesh, optimizer: Any, init:
     model_mesh = ModelMesh.of(user_mesh, model_axes_of(layouts.values(), mesh), adapter.own_shardings)
     where = place(config, compute_dtype)
     local = local_shard_devices(mesh, config.zero_axes)
+    host_plan = plan_for(sizes_of(layouts, [u.param_paths for u in adapter.units], trained,
+                                  n_local=sum(len(v) for v in local.values()), n_idx=len(local), config=config,
+                                  where=where, compute_dtype=compute_dtype, platform=jax.devices()[0].platform),
+                         config)  # before anything is opened or written
+    config = planned_config(config, host_plan)
 
     def device_of(index: int) -> jax.Device:
         return local.get(index, [jax.local_devices()[0]])[0]
@@ -190,10 +203,10 @@ def build(adapter: Any, *, config: ZeroConfig, mesh: Mesh, optimizer: Any, init:
                 activations=parking_for(where.activations, where.activations_path),
                 track_live_arrays=track_live_arrays,
                 activation_checkpointing=config.activation_checkpointing, param_loss=param_loss,
-                trainable=trained, sink=sink, gate=gate, model_mesh=model_mesh,
+                trainable=trained, sink=sink, gate=gate, model_mesh=model_mesh, trim_slack=host_plan.trim_slack,
             )
         undo.pop_all()
     return Components(adapter=adapter, config=config, mesh=mesh, model_mesh=model_mesh, layouts=layouts,
                       trainable=trained,
                       compute_dtype=compute_dtype, placement=where, param_tier=param_tier, opt_tier=opt_tier,
-                      grad_tier=grad_tier, optimizer=opt, store=store, passes=passes, gate=gate)
+                      grad_tier=grad_tier, optimizer=opt, store=store, passes=passes, gate=gate, host_plan=host_plan)

@@ -149,6 +149,8 @@ class StreamedModel:
       gate: holds a unit's fetch until an optimizer step in flight has written
         its parameters (see :mod:`zinf_jax.engine.overlap`).
       model_mesh: how the model's own code sees the mesh (its Explicit axes; default: none).
+      trim_slack: resident bytes past their low before freed memory is handed back
+        (:class:`~zinf_jax._internal.native_memory.Trimmer`; the host plan's, :mod:`zinf_jax.plan.host_memory`).
     """
 
     def __init__(
@@ -166,6 +168,7 @@ class StreamedModel:
         sink: GradSink | None = None,
         gate: WriteGate | None = None,
         model_mesh: ModelMesh | None = None,
+        trim_slack: int = native_memory.TRIM_SLACK,
     ):
         self.adapter = adapter
         self.store = store
@@ -181,7 +184,7 @@ class StreamedModel:
             sum(l.size * jnp.dtype(store.dtype_of(l.path)).itemsize for l in lays) * len(self.mesh.devices.flat)
             for lays in self._layouts
         ]
-        self._trimmer = native_memory.Trimmer()
+        self._trimmer = native_memory.Trimmer(trim_slack)
         self.gate = gate or WriteGate()
         self.prefetcher = Prefetcher(
             self._fetch,

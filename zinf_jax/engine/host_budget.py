@@ -1,0 +1,106 @@
+"""The engine's host plan: :class:`~zinf_jax.plan.host_memory.HostSizes` of a partitioned model, planned
+against ``ZeroConfig.host_memory_limit`` before any tier is opened.
+
+:func:`sizes_of` reads what each host buffer holds from the layouts, units and placement (as the estimator
+reads them from its digest); :func:`plan_for` measures the process's resident memory, plans, and raises a
+:class:`~zinf_jax.errors.ConfigError` when the plan cannot fit, naming the smallest limit that fits and what
+would lower it. :func:`planned_config` is the config the engine then runs: the prefetch depth and buffer
+count the plan picked.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Collection, Mapping, Sequence
+
+import jax.numpy as jnp
+
+from zinf_jax._internal import native_memory
+from zinf_jax._internal.fmt import human_bytes
+from zinf_jax.config import ZeroConfig
+from zinf_jax.errors import ConfigError
+from zinf_jax.optim.grads_out import IN_RAM_BELOW
+from zinf_jax.optim.subgroups import PACK_BELOW, PACK_ELEMENTS, pool_geometry, sub_groups
+from zinf_jax.plan.host_memory import HostPlan, HostSizes, plan_host
+from zinf_jax.plan.partition import ParamLayout
+from zinf_jax.plan.placement import Placement
+
+__all__ = ["sizes_of", "plan_for", "planned_config", "buffer_set_bytes"]
+
+
+def buffer_set_bytes(config: ZeroConfig, grads_out: bool, packs: bool, elements: int) -> int:
+    """Bytes of one optimizer buffer set of ``elements``: the float32 master and moments, the gradient read
+    back (from the scratch tier, or packed), and bfloat16 moments' narrow staging."""
+    return (12 + 4 * (grads_out or packs) + (4 if config.moments_dtype == "bfloat16" else 0)) * elements
+
+
+def sizes_of(layouts: Mapping[str, ParamLayout], units: Sequence[Collection[str]], trained: Collection[str],
+             *, n_local: int, n_idx: int, config: ZeroConfig, where: Placement, compute_dtype: str,
+             platform: str) -> HostSizes:
+    """What each host buffer of an engine holds (bytes of this process).
+
+    Args:
+      layouts: every parameter's layout, by path.
+      units: each unit's parameter paths.
+      trained: the trained paths.
+      n_local: this process's devices; n_idx: the shard indices it stores.
+      config, where, compute_dtype: the engine's settings, placement and compute dtype.
+      platform: the devices' platform (``"cpu"``: device memory is host RAM).
+    """
+    def dtype(p: str) -> str:
+        return compute_dtype if jnp.issubdtype(jnp.dtype(layouts[p].dtype), jnp.floating) else layouts[p].dtype
+
+    shards = {p: 1 if lay.dim is None else n_idx for p, lay in layouts.items()}
+    numel = {p: math.prod(lay.shard_shape) for p, lay in layouts.items()}
+    held = tuple(sum(layouts[p].bytes_per_device(dtype(p)) * n_local for p in u) for u in units)
+    gathered = tuple(sum(layouts[p].size * jnp.dtype(dtype(p)).itemsize * n_local for p in u) for u in units)
+    grads_out = where.grads_out
+    groups, size, packs = pool_geometry([(numel[p], shards[p]) for p in trained], config.sub_group_size,
+                                        PACK_BELOW, PACK_ELEMENTS)
+    cut = [numel[p] for p in trained if sub_groups(numel[p], config.sub_group_size)[1] > 1]
+    grad = {p: 4 * numel[p] * shards[p] for p in trained}
+    unit_grad = max((sum(grad.get(p, 0) for p in u) for u in units), default=0)
+    state = (4 + 2 * (2 if config.moments_dtype == "bfloat16" else 4)) * sum(numel[p] * shards[p] for p in trained)
+    return HostSizes(
+        unit_held=held, unit_gathered=gathered, params_on_nvme=where.params.device == "nvme",
+        device_is_host=platform == "cpu", buffer_set=buffer_set_bytes(config, grads_out, packs, max(size, 1)),
+        sets=max(groups, 1), assembly=4 * max(cut, default=0), optimizer_on_nvme=where.optimizer.device == "nvme",
+        grad_ram=(sum(g for p, g in grad.items() if 4 * numel[p] < IN_RAM_BELOW) if grads_out else sum(grad.values())),
+        grad_unit=unit_grad if grads_out else 0,
+        resident_tiers=(sum(held) if where.params.device == "cpu" else 0)
+        + (state if where.optimizer.device == "cpu" else 0))
+
+
+def plan_for(sizes: HostSizes, config: ZeroConfig, *, runtime: int | None = None) -> HostPlan:
+    """Plans the host buffers against ``config.host_memory_limit``.
+
+    Args:
+      sizes: :func:`sizes_of` the engine.
+      config: the settings asked for.
+      runtime: the process's own resident bytes (default: measured now,
+        :func:`~zinf_jax._internal.native_memory.resident_bytes`).
+
+    Raises:
+      ConfigError: the limit is below the plan's smallest total (the message names it and what would lower it).
+    """
+    runtime = native_memory.resident_bytes() if runtime is None else runtime
+    plan = plan_host(sizes, runtime=runtime, prefetch_depth=config.prefetch_depth,
+                     buffer_count=config.offload_optimizer.buffer_count, limit=config.host_memory_limit,
+                     max_live_bytes=config.max_live_bytes)
+    if not plan.fits:
+        detail = (f"the engine's host buffers need at least {human_bytes(plan.minimum)} (host_memory_limit="
+                  f"{plan.minimum} or more fits), of which {human_bytes(plan.items['runtime'])} is this process's "
+                  f"own memory measured at start (JAX, XLA, Python); got {human_bytes(config.host_memory_limit)}. "
+                  "What would lower it: " + "; ".join(plan.lowering) + ".\n" + plan.describe())
+        raise ConfigError(f"ZeroConfig.host_memory_limit: {detail}", field="host_memory_limit", detail=detail)
+    return plan
+
+
+def planned_config(config: ZeroConfig, plan: HostPlan) -> ZeroConfig:
+    """``config`` with the prefetch depth, live-bytes bound and optimizer buffer count the plan picked (unchanged
+    without a limit)."""
+    if config.host_memory_limit is None:
+        return config
+    return dataclasses.replace(config, prefetch_depth=plan.prefetch_depth, max_live_bytes=plan.max_live_bytes,
+                               offload_optimizer=dataclasses.replace(config.offload_optimizer,
+                                                                     buffer_count=plan.buffer_count))
