@@ -81,7 +81,7 @@ def _without_eager_sharding(constructor: Callable[[], nnx.Module]) -> Callable[[
     return build
 
 
-def _construct_with_refs(constructor: Callable[[], nnx.Module]) -> nnx.Module:
+def _construct_with_refs(constructor: Callable[[], nnx.Module], refs: bool = True) -> nnx.Module:
     """The model built with its Variables as array references, then turned back into plain Variables.
 
     Under a trace, Flax updates a plain Variable's RNG count by comparing the old and new values'
@@ -91,8 +91,12 @@ def _construct_with_refs(constructor: Callable[[], nnx.Module]) -> nnx.Module:
     definition and tied Variables are the same (``tests/engine/test_engine.py``); the trace's reference
     operations are discharged into plain ones (``InitTrace``). Flax before 0.12.4 has no
     ``var_defaults`` and builds as it is (quadratic in 0.12.2 and 0.12.3, which have the comparison).
+
+    Some constructors cannot build with references: ``nnx.split_rngs`` (a stack of layers made with
+    ``nnx.vmap``) writes a key of another shape into an RNG stream's scalar key, which a reference refuses;
+    :meth:`NnxAdapter._trace` then builds them with plain Variables (``refs=False``).
     """
-    if not hasattr(nnx, "var_defaults"):
+    if not refs or not hasattr(nnx, "var_defaults"):
         return constructor()
     with nnx.var_defaults(ref=True):
         model = constructor()
@@ -278,8 +282,9 @@ class NnxAdapter:
         """
         skeleton: list[Any] = []
 
-        def values() -> dict[str, Any]:
-            model = _construct_with_refs(self.constructor)
+        def values(refs: bool) -> dict[str, Any]:
+            skeleton.clear()
+            model = _construct_with_refs(self.constructor, refs)
             own = _variables(model)
             canon = {id(v): path_str(p) for p, v in own.items() if isinstance(v, nnx.Param)}
             gdef, state = nnx.split(model)
@@ -289,8 +294,12 @@ class NnxAdapter:
             skeleton.extend([gdef, tree])
             return dict(zip(names, leaves))
 
-        trace = InitTrace(values, region=self._mesh.region if self._mesh is not None else None,
-                          mesh=self._mesh.code_mesh if self._mesh is not None else None)
+        region = self._mesh.region if self._mesh is not None else None
+        mesh = self._mesh.code_mesh if self._mesh is not None else None
+        try:
+            trace = InitTrace(lambda: values(True), region=region, mesh=mesh)
+        except Exception:  # noqa: BLE001 (built as it is below: a constructor's own error is raised from there)
+            trace = InitTrace(lambda: values(False), region=region, mesh=mesh)  # see _construct_with_refs
         return trace, (skeleton[0], skeleton[1])
 
     def _abstract(self, values: Mapping[str, Any] | None = None) -> nnx.Module:
