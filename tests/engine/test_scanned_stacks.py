@@ -89,3 +89,14 @@ def test_linen_nn_scan_decoder_with_remat_and_dropout(tmp_path, engine):
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_params(eng.param_arrays(), flat_linen(ref_params))
     eng.close()
+
+
+def test_a_unit_called_inside_the_models_scan_is_one_error_naming_the_fix():
+    from helpers.scan_models import TopLevelScanMLP
+
+    ctor = lambda: TopLevelScanMLP(nnx.Rngs(0, dropout=1))  # noqa: E731
+    eng = zinf.initialize(ctor, config=zinf.ZeroConfig(persistence_threshold=16), loss_fn=lambda m, b: xent(m(b[0]), b[1]),
+                          unit_policy=zinf.UnitPolicy(patterns=("stack/layers",)))
+    with pytest.raises(zinf.EngineError, match=r"inside a transform.*UnitPolicy\(patterns=\('stack',\)\)"):
+        eng.train_step(_features(0))
+    eng.close()

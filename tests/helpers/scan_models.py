@@ -155,3 +155,19 @@ class LinenScanLM(nn.Module):
         x = nn.Embed(self.vocab, self.d, name="embed")(tokens)
         x = LinenStack(self.d, self.heads, self.n, name="stack")(x, train)
         return nn.Dense(self.vocab, use_bias=False, name="head")(nn.RMSNorm(name="norm")(x))
+
+
+class TopLevelScanMLP(nnx.Module):
+    """The stack is a direct child, scanned in the model's own call: a unit cannot hold the scan."""
+
+    def __init__(self, rngs: nnx.Rngs, d: int = 32, n: int = 4):
+        self.inp = nnx.Linear(8, d, rngs=rngs)
+        self.stack = MLPStack(n, d, rngs)
+        self.head = nnx.Linear(d, 10, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def step(x: jax.Array, layer: MLPBlock) -> jax.Array:
+            return layer(x)
+
+        return self.head(step(self.inp(x), self.stack.layers))

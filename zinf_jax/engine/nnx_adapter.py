@@ -132,6 +132,24 @@ class _UnitCaller:
         self.adapter, self.uid, self.unit = adapter, uid, abstract_unit
 
     def call(self, proxy: UnitProxy, method: str, args: tuple, kwargs: dict) -> Any:
+        live = getattr(self.adapter._run, "proxies", None)
+        if live is None or id(proxy) in live:
+            return self._call(proxy, method, args, kwargs)
+        try:  # a copy of the proxy: it went through nnx.split/merge, as NNX transforms (nnx.scan...) pass it
+            return self._call(proxy, method, args, kwargs)
+        except Exception as e:  # noqa: BLE001 (the model's own error, with what most likely caused it)
+            parent = proxy.path.rsplit("/", 1)[0] if "/" in proxy.path else None
+            fix = (f"make the module that runs the scan a unit: UnitPolicy(patterns=({parent!r},)) if it is {parent!r}"
+                   if parent else "move the stack and the scan over it into a submodule of their own and make "
+                   "that a unit (UnitPolicy(patterns=(...,)))")
+            raise EngineError(
+                f"unit {proxy.path!r} failed when called inside a transform of the model's code ({type(e).__name__}: "
+                f"{str(e).splitlines()[0][:200]}). If it is a stack of layers applied by a scan (nnx.scan, nnx.vmap, "
+                "jax.lax.scan over nnx.split state): the engine gathers a unit's parameters around its call, which "
+                f"cannot happen inside the scan; {fix} (its stacked parameters are then sharded at rest and "
+                "gathered for its call)") from e
+
+    def _call(self, proxy: UnitProxy, method: str, args: tuple, kwargs: dict) -> Any:
         nodes: list[Any] = []
 
         def grab(x: Any) -> Any:
@@ -435,12 +453,13 @@ class NnxAdapter:
             batch = jax.tree.map(lambda x: next(it) if nnx.graph.is_graph_node(x) else x, batch,
                                  is_leaf=nnx.graph.is_graph_node)
         self._run.added = added = []
+        self._run.proxies = {id(m) for _, m in nnx.iter_modules(model) if isinstance(m, UnitProxy)}
         self._run.reads = {}  # (uid, name) -> the value of a parameter read outside its unit in this pass
         try:
             with self.hook.installed(hook):
                 out = loss_fn(model, batch)
         finally:
-            self._run.added = self._run.reads = None
+            self._run.added = self._run.reads = self._run.proxies = None
         for parent, name in reversed(added):  # sown values live for one pass
             if name in vars(parent):
                 delattr(parent, name)
