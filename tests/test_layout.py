@@ -3,7 +3,7 @@
 Layers, bottom first (a module may import its own layer and the ones below):
 
     _internal, errors -> config -> plan -> tiers -> optim -> engine -> checkpoint
-        -> api, estimate (the library's front) -> app (the zinf-jax command)
+        -> api, estimate, distributed (the library's front) -> app (the zinf-jax command)
 
 Every import statement counts, at the top of a module or inside a function or an
 ``if TYPE_CHECKING`` block: a lazy import is still a dependency.
@@ -24,7 +24,7 @@ LAYERS = (
     ("zinf_jax.optim",),
     ("zinf_jax.engine",),
     ("zinf_jax.checkpoint",),
-    ("zinf_jax.api", "zinf_jax.estimate", "zinf_jax"),
+    ("zinf_jax.api", "zinf_jax.estimate", "zinf_jax.distributed", "zinf_jax"),
     ("zinf_jax.app", "zinf_jax.models"),
 )
 JAX_PRIVATE = "zinf_jax._internal.jax_private"  # the one module that may import jax._src

@@ -26,6 +26,7 @@ Where things live, in data-flow order (each package's ``__init__`` maps its modu
   optim/       update math (fused Adam kernel, optax rules), the streamed driver over a tier
   engine/      hooks and executors: adapters, init, store, prefetch, glue, streamed, build, stepping
   checkpoint/  format (on-disk names), state, save, restore, integrity, policies, retention
+  distributed/ multi-process jobs in your own loop: join with a peer watch, agreed stop on a signal
   api.py       initialize / restore / Engine;  estimate.py: memory per tier before building
                (estimate_step.py: one step replayed, its device/host peaks and disk bytes)
   _internal/   the one jax._src fence, durable files, futures, multi-host, formatting
@@ -39,15 +40,18 @@ _EXPORTS = {
     "zinf_jax.engine.weights": ("TensorMap", "from_safetensors", "TIED_EMBEDDINGS"),
     "zinf_jax.config": ("AioConfig", "LossScaleConfig", "Offload", "OptimizerConfig", "ZeroConfig"),
     "zinf_jax.errors": ("ZinfError", "ConfigError", "CheckpointError", "ParamMismatchError", "EngineError",
-                        "TierError", "TierDataError", "UnitPolicyError"),
+                        "TierError", "TierDataError", "UnitPolicyError", "DistributedError"),
     "zinf_jax.optim": ("adam", "adamw"),
     "zinf_jax.plan.partition": ("format_table", "make_mesh", "plan_partition"),
     "zinf_jax.plan.units": ("Plan", "UnitPolicy"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+_SUBMODULES = ("distributed",)  # public namespaces: zinf.distributed.initialize(...)
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")  # the import binds it here too
     module = _WHERE.get(name)
     if module is None:
         raise AttributeError(f"module 'zinf_jax' has no attribute {name!r}")
@@ -57,7 +61,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_WHERE])
+    return sorted([*globals(), *_WHERE, *_SUBMODULES])
 
 
 def _version() -> str:
@@ -73,11 +77,12 @@ def _version() -> str:
 __version__ = _version()
 
 __all__ = [
+    "distributed",
     "Engine", "initialize", "restore", "from_safetensors", "TensorMap", "TIED_EMBEDDINGS",
     "ZeroConfig", "Offload", "AioConfig", "LossScaleConfig", "OptimizerConfig",
     "adam", "adamw",
     "make_mesh", "plan_partition", "format_table",
     "UnitPolicy", "Plan",
     "ZinfError", "ConfigError", "TierError", "TierDataError", "UnitPolicyError", "ParamMismatchError", "EngineError",
-    "CheckpointError",
+    "CheckpointError", "DistributedError",
 ]

@@ -26,6 +26,8 @@ class                       raised when                                CLI exit
                             support (after close, under ``jit``)
 :class:`RunDirError`        the main job's run directory is in use or  2
                             holds another run
+:class:`DistributedError`   a multi-process job cannot be joined, or   2
+                            left in order
 :class:`NonFiniteLossError` the main job ended with a non-finite loss  1
 :class:`Interrupted`        a signal stopped the main job before it    128 + signal
                             had anything to save
@@ -36,7 +38,7 @@ from __future__ import annotations
 import signal
 
 __all__ = ["ZinfError", "ConfigError", "UnitPolicyError", "ParamMismatchError", "TierError", "TierDataError",
-           "CheckpointError", "EngineError", "RunDirError", "NonFiniteLossError", "Interrupted"]
+           "CheckpointError", "EngineError", "RunDirError", "DistributedError", "NonFiniteLossError", "Interrupted"]
 
 
 class ZinfError(Exception):
@@ -85,6 +87,11 @@ class EngineError(ZinfError, RuntimeError):
 
 class RunDirError(ZinfError, ValueError):
     """The main job's run directory is in use, or holds another run's state."""
+
+
+class DistributedError(ZinfError, RuntimeError):
+    """A multi-process job cannot be joined (coordinator unreachable, a peer never came) or left in order, or
+    its preemption service is off (``zinf_jax.distributed``)."""
 
 
 class NonFiniteLossError(ZinfError, RuntimeError):

@@ -20,7 +20,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 from zinf_jax.app.cli import main
-from zinf_jax.app.interrupts import Interrupted, StopRequest
+from zinf_jax.distributed import StopAgreement
+from zinf_jax.errors import Interrupted
 from zinf_jax.app.rundir import RunLock
 from zinf_jax.app.train import TrainArgs, train
 
@@ -242,7 +243,7 @@ def test_non_finite_loss_fails_the_run(tmp_path, capsys):
 
 
 def test_signal_during_startup_stops_before_anything_is_built(tmp_path):
-    stop = StopRequest().install()
+    stop = StopAgreement(fd=None)
     try:
         os.kill(os.getpid(), signal.SIGHUP)
         assert stop.requested and stop.exit_code == 129

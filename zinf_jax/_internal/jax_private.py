@@ -22,7 +22,8 @@ name                        from                                  used by
 ``convert_constvars_jaxpr`` ``jax._src.interpreters.partial_eval``  ``engine/adapters``
 ``dce_jaxpr``               ``jax._src.interpreters.partial_eval``  ``engine/adapters``
 ``discharge_refs``          ``jax._src.state.discharge``          ``engine/adapters``
-``distributed_client``      ``jax._src.distributed.global_state``  ``app/peers``
+``distributed_client``      ``jax._src.distributed.global_state``  ``distributed/``
+``preemption_sync_manager`` ``jax._src.distributed.global_state``  ``distributed/stop``
 ==========================  ====================================  =====================
 """
 from __future__ import annotations
@@ -38,7 +39,7 @@ from jax.extend.core import ClosedJaxpr, DebugInfo, DropVar, Jaxpr, Literal, Pri
 
 __all__ = ["ClosedJaxpr", "DebugInfo", "DropVar", "Jaxpr", "Literal", "Primitive", "Var", "jaxpr_as_fun",
            "ShapedArray", "eval_jaxpr", "join_effects", "convert_constvars_jaxpr", "dce_jaxpr", "discharge_refs",
-           "distributed_client"]
+           "distributed_client", "preemption_sync_manager"]
 
 join_effects = _core.join_effects
 """The union of effect sets (of a segment's equations)."""
@@ -64,3 +65,12 @@ def distributed_client():
     public accessor (orbax's ``multihost`` module reads the same ``global_state.client``).
     """
     return _distributed.global_state.client
+
+
+def preemption_sync_manager():
+    """This process's JAX preemption sync manager (``None`` outside a job, or with the service off).
+
+    ``multihost_utils.reached_preemption_sync_point`` answers False without a job and raises a bare
+    ``RuntimeError`` without the manager; checking first gives a clearer error.
+    """
+    return _distributed.global_state.preemption_sync_manager

@@ -1,8 +1,11 @@
 """The ``zinf-jax`` command and its main job: an application on top of the library.
 
 * :mod:`~zinf_jax.app.cli`: ``zinf-jax train | estimate | inspect``; parses flags, maps errors to exit codes.
-* :mod:`~zinf_jax.app.interrupts`: signals turned into a stop request at a safe point (installed
-  before JAX loads: this package imports nothing heavy at the top).
+  Signals become a stop request at a safe point through the library's
+  :class:`zinf_jax.distributed.StopAgreement` (installed before JAX loads: this package imports nothing heavy
+  at the top).
+* :mod:`~zinf_jax.app.job`: the main job as one process of a multi-process job (joined, watched and left through
+  :mod:`zinf_jax.distributed`).
 * :mod:`~zinf_jax.app.train`: the main job's loop: build or resume, train, save, report.
 * :mod:`~zinf_jax.app.checks`: every flag checked before anything is built.
 * :mod:`~zinf_jax.app.rundir`: the run directory: lock, reuse refusal, leftovers of killed saves.

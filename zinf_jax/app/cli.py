@@ -16,7 +16,7 @@ import os
 import sys
 
 from zinf_jax._internal import native_memory
-from zinf_jax.app.interrupts import StopRequest
+from zinf_jax.distributed.stop import StopAgreement
 from zinf_jax.config.zero import MOMENTS_DTYPES
 from zinf_jax.errors import Interrupted, NonFiniteLossError, ZinfError
 
@@ -155,9 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``zinf-jax`` console script. Returns the exit code.
 
     SIGINT, SIGTERM and SIGHUP are turned into a stop request first thing (see
-    :mod:`zinf_jax.app.interrupts`), so no interrupt can land inside compilation.
+    :mod:`zinf_jax.distributed.stop`), so no interrupt can land inside compilation.
     """
-    stop = StopRequest(fd=_stderr_fd()).install()
+    stop = StopAgreement(fd=_stderr_fd())
     try:
         return _main(argv, stop)
     finally:
@@ -189,7 +189,7 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _main(argv: list[str] | None, stop: StopRequest) -> int:
+def _main(argv: list[str] | None, stop: StopAgreement) -> int:
     a = make_parser().parse_args(argv)
     try:
         if a.command == "train":
@@ -245,7 +245,7 @@ def _main(argv: list[str] | None, stop: StopRequest) -> int:
         return 2
 
 
-def _train(a: argparse.Namespace, stop: StopRequest) -> int:
+def _train(a: argparse.Namespace, stop: StopAgreement) -> int:
     """``zinf-jax train``: checks every flag, then runs the main job under ``stop``."""
     from zinf_jax.app.train import TrainArgs, check_args, train
 
@@ -258,7 +258,7 @@ def _train(a: argparse.Namespace, stop: StopRequest) -> int:
     if args.coordinator:
         from zinf_jax.app.job import start
 
-        start(args.coordinator, args.num_processes, args.process_id, args.peer_timeout)
+        start(args.coordinator, args.num_processes, args.process_id, args.peer_timeout, args.run_dir)
     stop.check("startup")
     summary = train(args, stop=stop)
     if summary["interrupted"]:

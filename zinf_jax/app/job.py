@@ -1,6 +1,7 @@
 """The main job as one process of a multi-process job (``jax.distributed``, JAX's multi-controller model).
 
-:func:`start` joins the job (before anything else uses JAX); :class:`Job` says what this process does:
+:func:`start` joins the job (before anything else uses JAX) through :mod:`zinf_jax.distributed`, which also
+watches the peers and leaves the job in order; :class:`Job` says what this process does:
 process 0 writes the job's progress, metrics and summary, every other process its own log under
 ``<run_dir>/logs/``; each process feeds its share of every batch's rows. With one process every call is
 the plain one-process behaviour.
@@ -9,9 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 from pathlib import Path
-from typing import Any, Callable, Iterator, TextIO, TypeVar
+from typing import Callable, Iterator, TextIO, TypeVar
 
 import numpy as np
 
@@ -22,31 +22,20 @@ __all__ = ["start", "Job"]
 T = TypeVar("T")
 
 
-def start(coordinator: str, num_processes: int, process_id: int, peer_timeout: int) -> None:
-    """Joins the job: ``jax.distributed.initialize`` (``coordinator == "auto"``: from the cluster's environment).
-
-    ``peer_timeout`` is JAX's heartbeat timeout: a process that stops beating (killed, crashed) leaves
-    the job's live set that long after, and every other process's :class:`~zinf_jax.app.peers.PeerWatch`
-    stops it (the service runs in JAX's recoverable mode so that it is the watch, with its message,
-    that stops them).
+def start(coordinator: str, num_processes: int, process_id: int, peer_timeout: int, run_dir: str) -> None:
+    """Joins the job through :func:`zinf_jax.distributed.initialize` (``coordinator == "auto"``: from the cluster's
+    environment), its loss line worded for this command: a lost process names ``<run_dir>/ckpt``'s last complete
+    checkpoint and ``--resume``.
 
     Raises:
-      OSError: the job cannot be joined (the coordinator is unreachable, a peer never came).
+      DistributedError: the job cannot be joined (the coordinator is unreachable, a peer never came).
     """
-    import jax
+    from zinf_jax import distributed
 
-    from zinf_jax.app.peers import enable_recovery
-
-    enable_recovery()
-    try:
-        if coordinator == "auto":
-            jax.distributed.initialize(heartbeat_timeout_seconds=peer_timeout)
-        else:
-            jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id,
-                                       heartbeat_timeout_seconds=peer_timeout)
-    except Exception as e:  # noqa: BLE001 - jax raises RuntimeError/ValueError/XlaRuntimeError by cause
-        raise OSError(f"--coordinator {coordinator}: could not join the job as process {process_id} of "
-                      f"{num_processes}: {e}") from e
+    where = (None, None, None) if coordinator == "auto" else (coordinator, num_processes, process_id)
+    distributed.initialize(*where, peer_timeout=peer_timeout, checkpoint_dir=Path(run_dir) / "ckpt",
+                           label="zinf-jax train",
+                           restart="restart all {count} processes with --resume to continue from it")
 
 
 class Job:
@@ -60,7 +49,6 @@ class Job:
         self.procs = Procs("zinf-train")
         self.count, self.index, self.primary = self.procs.count, self.procs.index, self.procs.primary
         self.run_dir = Path(run_dir)
-        self._forwarded = False
 
     @property
     def lock_name(self) -> str:
@@ -77,48 +65,6 @@ class Job:
         logs.mkdir(exist_ok=True)
         with open(logs / f"process_{self.index}.log", "a") as f:
             yield f
-
-    def agreed_stop(self, position: int, stop: Any) -> bool:
-        """Whether the job stops after this step for a signal to any of its processes (every process, every step).
-
-        JAX's preemption service (``multihost_utils.reached_preemption_sync_point``, as orbax's
-        preemption checkpointing uses it) takes SIGTERM on whichever process gets it and makes every
-        process return True at the same ``position`` (here the data position, which grows every step).
-        A SIGINT or SIGHUP this process's handler recorded is sent on as SIGTERM to that service;
-        the process keeps its own exit status (130 for SIGINT), the others take 143.
-        """
-        from jax.experimental import multihost_utils
-
-        if stop.requested and not self._forwarded:
-            self._forwarded = True
-            os.kill(os.getpid(), signal.SIGTERM)
-        if not multihost_utils.reached_preemption_sync_point(position):
-            return False
-        stop.request(signal.SIGTERM, "to a process of the job")
-        return True
-
-    def leave(self, timeout_s: float = 60.0) -> None:
-        """Leaves the job in order, once this process's work is done (a no-op with one process).
-
-        In recoverable mode (:func:`start`) JAX's shutdown no longer waits for every process, and a
-        process disconnecting after process 0 has stopped the coordination service aborts. So all meet
-        at a barrier, the others disconnect, and process 0 stops the service once they are gone (or
-        after ``timeout_s``).
-        """
-        if self.count == 1:
-            return
-        import time
-
-        import jax
-
-        from zinf_jax._internal.jax_private import distributed_client
-
-        self.procs.sync("leave")
-        if self.primary:
-            client, deadline = distributed_client(), time.monotonic() + timeout_s
-            while len(client.get_live_nodes(list(range(self.count)))) > 1 and time.monotonic() < deadline:
-                time.sleep(0.05)
-        jax.distributed.shutdown()
 
     def metrics_path(self) -> str:
         """The job's metrics file (process 0's); the others write none."""

@@ -6,17 +6,18 @@ metrics go to a JSON-lines log; checkpoints are saved every ``save_every``
 steps, at the end, and on SIGINT/SIGTERM/SIGHUP; ``resume`` continues from the
 newest good one and reproduces the uninterrupted run bitwise (the batch of a
 data position is a pure function of it; the data position, the RNG state and
-the loss scaler are in the checkpoint).
+the loss scaler are in the checkpoint). In a multi-process job the library's
+:mod:`zinf_jax.distributed` watches the peers and turns a signal to any one
+process into one step at which all stop.
 
 The run directory is locked for the whole run, never silently reused (see
 :mod:`zinf_jax.app.rundir`), and signals only request a stop at a safe point (see
-:mod:`zinf_jax.app.interrupts`).
+:mod:`zinf_jax.distributed.stop`).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -34,16 +35,15 @@ from zinf_jax._internal import native_memory
 from zinf_jax.api import Engine, close_quietly, initialize, restore
 from zinf_jax.app import rundir
 from zinf_jax.app.checks import check_args, check_batch
-from zinf_jax.app.interrupts import Interrupted, StopRequest
 from zinf_jax.app.job import Job
-from zinf_jax.app.peers import PeerWatch, last_checkpoint_phrase
 from zinf_jax.app.metrics import MetricsLog
 from zinf_jax.app.models import GPT, GPTConfig, batch_at, corpus, lm_loss
 from zinf_jax.app.progress import Progress
 from zinf_jax.checkpoint import policies
 from zinf_jax.checkpoint.format import META, is_complete
 from zinf_jax.config import Offload, ZeroConfig
-from zinf_jax.errors import CheckpointError, ConfigError, NonFiniteLossError, TierError, ZinfError
+from zinf_jax.distributed import StopAgreement, current
+from zinf_jax.errors import CheckpointError, ConfigError, DistributedError, Interrupted, NonFiniteLossError, TierError
 from zinf_jax.optim import adamw
 
 __all__ = ["TrainArgs", "train", "build_config", "check_args", "Interrupted", "NonFiniteLossError",
@@ -116,7 +116,7 @@ class TrainArgs:
       process_id: this process's index, 0 to ``num_processes - 1`` (with ``coordinator``).
       peer_timeout: seconds until a lost process (killed, out of memory, crashed) stops the job's
         others: JAX's heartbeat timeout (``jax.distributed``); they exit 75 with one line naming the
-        lost process and the last complete checkpoint (:mod:`zinf_jax.app.peers`); restart every
+        lost process and the last complete checkpoint (:mod:`zinf_jax.distributed.peers`); restart every
         process with ``--resume``.
     """
 
@@ -272,7 +272,7 @@ class _Run:
     saved: Path | None = None
     saved_step: int | None = None
     policy: policies.SaveDecisionPolicy | None = None  # when the loop saves (default: every args.save_every)
-    agreed_stop: bool = False  # a multi-process job agreed to stop for a signal (see Job.agreed_stop)
+    agreed_stop: bool = False  # a multi-process job agreed to stop for a signal (StopAgreement.reached)
     losses: list[float] = dataclasses.field(default_factory=list)
     rates: list[float] = dataclasses.field(default_factory=list)
     nonfinite_in_a_row: int = 0
@@ -287,7 +287,7 @@ class _Run:
         return self.saved
 
 
-def _loop(run: _Run, log: TextIO, out: TextIO, stop: StopRequest, seed: int) -> None:
+def _loop(run: _Run, log: TextIO, out: TextIO, stop: StopAgreement, seed: int) -> None:
     """Steps until ``args.steps`` optimizer steps are applied, a stop is requested or the loss stays non-finite."""
     args, engine, data = run.args, run.engine, corpus()
     run.policy = run.policy or policies.from_knobs(args.save_every)
@@ -315,7 +315,7 @@ def _loop(run: _Run, log: TextIO, out: TextIO, stop: StopRequest, seed: int) -> 
             if not m["skipped"] and policies.should_save(run.policy, engine.step):
                 run.save()
             if run.job.count > 1:  # one process's signal stops every process after the same step
-                run.agreed_stop = run.job.agreed_stop(run.data_pos, stop)
+                run.agreed_stop = stop.reached(run.data_pos)  # the data position grows every step
             run.nonfinite_in_a_row = 0 if math.isfinite(m["loss"]) else run.nonfinite_in_a_row + 1
             if run.nonfinite_in_a_row >= MAX_NONFINITE_IN_A_ROW:
                 break
@@ -343,7 +343,7 @@ def _start(args: TrainArgs, config: ZeroConfig, ckpt: Path, out: TextIO, job: Jo
     return _Run(args=args, engine=initialize(ctor, **kw), ckpt=ckpt, data_pos=0, job=job)
 
 
-def _summary(run: _Run, config: ZeroConfig, stop: StopRequest, t0: float) -> dict[str, Any]:
+def _summary(run: _Run, config: ZeroConfig, stop: StopAgreement, t0: float) -> dict[str, Any]:
     losses = run.losses
     return {
         "steps_run": len(losses), "step": run.engine.step, "data_step": run.data_pos,
@@ -375,7 +375,7 @@ def _report(summary: dict[str, Any], run_dir: Path, out: TextIO, job: Job) -> No
             f"{summary['step']}; newest checkpoint: {summary['checkpoint'] or 'none'}")
 
 
-def _run_locked(args: TrainArgs, config: ZeroConfig, run_dir: Path, out: TextIO, stop: StopRequest,
+def _run_locked(args: TrainArgs, config: ZeroConfig, run_dir: Path, out: TextIO, stop: StopAgreement,
                 job: Job) -> dict[str, Any]:
     """Everything that happens with the run dir locked: clean-up, build, loop, save, report.
 
@@ -435,7 +435,7 @@ def _fd_of(out: TextIO) -> int | None:
         return None
 
 
-def train(args: TrainArgs, *, out: TextIO | None = None, stop: StopRequest | None = None) -> dict[str, Any]:
+def train(args: TrainArgs, *, out: TextIO | None = None, stop: StopAgreement | None = None) -> dict[str, Any]:
     """Runs the main job; returns its summary (also printed and written as JSON).
 
     Args:
@@ -459,7 +459,7 @@ def train(args: TrainArgs, *, out: TextIO | None = None, stop: StopRequest | Non
     check_args(args)
     own = stop is None
     if own:
-        stop = StopRequest(fd=_fd_of(out)).install()
+        stop = StopAgreement(fd=_fd_of(out))
     try:
         config = build_config(args)
         check_batch(args, config)
@@ -470,20 +470,15 @@ def train(args: TrainArgs, *, out: TextIO | None = None, stop: StopRequest | Non
         with rundir.RunLock(run_dir, job.lock_name), job.output(out) as mine:
             if job.count == 1:
                 return _run_locked(args, config, run_dir, mine, stop, job)
+            joined = current()  # zinf_jax.distributed: the peer watch, leaving in order
+            if joined is None:
+                raise DistributedError("a multi-process main job joins through zinf_jax.app.job.start "
+                                       "(zinf.distributed.initialize), not jax.distributed.initialize alone")
             mine.write(f"zinf-jax train: process {job.index} of {job.count} (host {socket.gethostname()}); "
-                       f"if one is lost the others stop within --peer-timeout {args.peer_timeout} s\n")
-            last = functools.partial(last_checkpoint_phrase, run_dir / "ckpt", job.count)
-            with PeerWatch(job.count, job.index, args.peer_timeout, last,
-                           write=None if mine is out else mine.write) as watch:
-                try:
-                    summary = _run_locked(args, config, run_dir, mine, stop, job)
-                except (ZinfError, ValueError, Interrupted):  # this process's own verdict: reported as is
-                    raise
-                except BaseException:  # a runtime failure may be a lost peer's doing: let the watch tell
-                    watch.settle()
-                    raise
-            job.leave()
-            return summary
+                       f"if one is lost the others stop within --peer-timeout {joined.peer_timeout} s\n")
+            joined.watch.echo(None if mine is out else mine.write)
+            with joined:  # a runtime failure first lets the watch tell whether a lost peer caused it
+                return _run_locked(args, config, run_dir, mine, stop, job)
     finally:
         if own:
             stop.restore()
