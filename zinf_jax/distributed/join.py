@@ -49,6 +49,8 @@ class Job:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: Any) -> None:
+        """Leaves in order at the end or on ``SystemExit`` (every process exiting after an agreed stop, say);
+        after another exception, stops watching once the watch has had its chance to name a lost peer."""
         if kind is None or issubclass(kind, SystemExit):
             self.shutdown()
             return
