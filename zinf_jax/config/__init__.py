@@ -4,6 +4,7 @@
   :class:`AioConfig`, :class:`LossScaleConfig`, :class:`OptimizerConfig`); one docstring per field.
 * :mod:`~zinf_jax.config.fields`: how a field is checked and a config built from dicts.
 * :mod:`~zinf_jax.config.deepspeed`: DeepSpeed JSON (ZeRO stage 3) read into a :class:`ZeroConfig`.
+* :mod:`~zinf_jax.config.files`: the DeepSpeed JSON file reader both importers use.
 
 Nothing here imports JAX: a config is plain data, checked on construction.
 """

@@ -14,6 +14,7 @@ import json
 import os
 from typing import Any, Mapping
 
+from zinf_jax.config.files import read_deepspeed_json
 from zinf_jax.errors import ConfigError
 
 __all__ = ["INLINE", "read_accelerate"]
@@ -87,9 +88,7 @@ def read_accelerate(path: str) -> tuple[dict[str, Any], str, list[str], list[str
         if not os.path.isabs(file) and not os.path.exists(file):
             beside = os.path.join(os.path.dirname(os.path.abspath(path)), file)
             file = beside if os.path.exists(beside) else file
-        from zinf_jax.config.deepspeed import load_file
-
-        out, _, _, _ = load_file(file)
+        out = read_deepspeed_json(file)
         others = sorted(k for k in ds if k != "deepspeed_config_file")
         if others:  # accelerate refuses inline keys beside a file too
             raise ConfigError(f"accelerate config {path}: deepspeed_config.{others[0]}: give it in "

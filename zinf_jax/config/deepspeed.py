@@ -21,6 +21,7 @@ import os
 from typing import Any, Callable, Mapping
 
 from zinf_jax.config.ds_keys import KEYS, lookup
+from zinf_jax.config.files import read_deepspeed_json
 from zinf_jax.config.fields import BOOL, NONNEG, OPTIMIZERS, Invalid, as_float, as_int, as_other
 from zinf_jax.config.resolution import Resolution, RunValues, _show
 from zinf_jax.config.schedule import SCHEDULES, LRSchedule
@@ -181,16 +182,7 @@ def load_file(path: Any) -> tuple[dict[str, Any], str, list[str], list[str]]:
         from zinf_jax.config.accelerate import read_accelerate
 
         return read_accelerate(source)
-    try:
-        with open(source, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"DeepSpeed config file not found: {source}") from None
-    except (OSError, ValueError) as e:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise ConfigError(f"cannot read DeepSpeed config {source} (invalid JSON?): {e}") from None
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"DeepSpeed config {source}: expected a JSON object at the top, got {data!r:.40}")
-    return dict(data), source, [], []
+    return read_deepspeed_json(source), source, [], []
 
 
 def parse_deepspeed(path_or_dict: Any, config_cls: type, run: RunValues | None = None) -> Any:
