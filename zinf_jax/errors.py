@@ -7,9 +7,9 @@ catches a :class:`ConfigError`; ``except zinf.ZinfError`` catches them all.
 The modules that raise them re-export them under their old names
 (``zinf_jax.config.ConfigError``, ``zinf_jax.tiers.TierError``, ...).
 
-==========================  =========================================  ============
+=========================== =========================================  ============
 class                       raised when                                CLI exit
-==========================  =========================================  ============
+=========================== =========================================  ============
 :class:`ConfigError`        a setting is missing, mistyped, out of     2
                             range, or conflicts with another
 :class:`UnitPolicyError`    the unit policy leaves a large parameter   2
@@ -31,7 +31,7 @@ class                       raised when                                CLI exit
 :class:`NonFiniteLossError` the main job ended with a non-finite loss  1
 :class:`Interrupted`        a signal stopped the main job before it    128 + signal
                             had anything to save
-==========================  =========================================  ============
+=========================== =========================================  ============
 """
 from __future__ import annotations
 
