@@ -18,8 +18,9 @@ and the ``source-read`` hook puts the part there. The parts (:data:`GENERATORS`)
 * ``notes``: the ``[Note: ...]`` index: where each note is written and where it is cited.
 
 Checks that fail the build (``-W``) and that the tests in ``tests/docs/`` run too: :func:`api_problems`
-(a public name without a documented entry) and :func:`config_problems` (a config field without a
-docstring). References to zinf_jax objects that no page documents are resolved to the documented
+(a public name without a documented entry), :func:`config_problems` (a config field without a
+docstring), :func:`package_map_problems` (a module without a docstring to map it by) and
+:func:`notes_problems` (a note cited but written nowhere). References to zinf_jax objects that no page documents are resolved to the documented
 public name of the same object when there is one, else shown as code; a reference to a zinf_jax name
 that does not exist stays a nitpicky warning.
 """
@@ -50,10 +51,22 @@ def _eval_rst(text: str) -> str:
     return "```{eval-rst}\n" + text.rstrip() + "\n```\n"
 
 
-def _md(text: str) -> str:
-    """A docstring's reST inline markup as MyST Markdown (one paragraph, for a definition or a cell)."""
+def _md(text: str, context: str | None = None) -> str:
+    """A docstring's reST inline markup as MyST Markdown (one paragraph, for a definition or a cell).
+
+    ``context``: the module the docstring is written in; relative targets of its roles are made absolute.
+    """
     text = " ".join(line.strip() for line in text.strip().splitlines())
-    text = re.sub(r":([a-z]+):`([^`]+)`", r"{py:\1}`\2`", text)  # :class:`X` -> {py:class}`X`
+
+    def role(m: re.Match) -> str:
+        target = m.group(2)
+        if context and "<" not in target:
+            found = _lookup(target, context)
+            if found is not None:
+                target = "~" + found[0]
+        return f"{{py:{m.group(1)}}}`{target}`"
+
+    text = re.sub(r":([a-z]+):`([^`]+)`", role, text)  # :class:`X` -> {py:class}`X`
     text = re.sub(r"(?<![`\w])``([^`]+)``(?![`\w])", r"`\1`", text)
     return text.replace("|", "\\|")
 
@@ -67,20 +80,57 @@ def public_names(module: Any = None) -> list[str]:
 
 
 def _own_doc(obj: Any) -> str:
+    """``obj``'s own docstring; empty when it has none (a dataclass's generated signature is none)."""
     doc = obj.__dict__.get("__doc__") if isinstance(obj, (type, types.ModuleType)) else getattr(obj, "__doc__", None)
+    if isinstance(obj, type) and dataclasses.is_dataclass(obj) and isinstance(doc, str):
+        try:
+            generated = obj.__name__ + str(inspect.signature(obj)).replace(" -> None", "")
+        except (TypeError, ValueError):
+            generated = None
+        if doc == generated:
+            return ""
     return inspect.cleandoc(doc) if isinstance(doc, str) else ""
 
 
 def _data_doc(module: Any, name: str) -> str:
     """The docstring written under a module-level constant (``X = ...`` then a string literal)."""
-    from sphinx.pycode import ModuleAnalyzer
+    where = [getattr(module, "_WHERE", {}).get(name, module.__name__)]
+    if hasattr(module, "__path__"):  # a package re-exporting a submodule's constant: read it where it is written
+        where += [m.__name__ for m in _submodules(module) if m.__dict__.get(name, where) is getattr(module, name, None)]
+    for w in where:
+        try:
+            doc = _attr_docs(importlib.import_module(w)).get(name)
+        except ImportError:
+            continue
+        if doc:
+            return doc
+    return ""
 
-    where = getattr(module, "_WHERE", {}).get(name, module.__name__)
+
+def _attr_docs(module: Any) -> dict[str, str]:
+    """``name -> docstring`` of a module's constants, read from its source (no Sphinx needed)."""
     try:
-        docs = ModuleAnalyzer.for_module(where).find_attr_docs()
-    except Exception:  # no source
-        return ""
-    return "\n".join(docs.get(("", name), [])).strip()
+        body = ast.parse(inspect.getsource(module)).body
+    except (OSError, TypeError):
+        return {}
+    docs = {}
+    for stmt, nxt in zip(body, body[1:]):
+        targets = [stmt.target] if isinstance(stmt, ast.AnnAssign) else getattr(stmt, "targets", [])
+        if (isinstance(stmt, (ast.Assign, ast.AnnAssign)) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            docs.update({t.id: inspect.cleandoc(nxt.value.value) for t in targets if isinstance(t, ast.Name)})
+    return docs
+
+
+def _submodules(package: Any) -> list[Any]:
+    """The modules of a package, imported (a package's docstring may name any of them relatively)."""
+    out = []
+    for info in pkgutil.iter_modules(getattr(package, "__path__", [])):
+        try:
+            out.append(importlib.import_module(f"{package.__name__}.{info.name}"))
+        except ImportError:
+            continue
+    return out
 
 
 def _api_kind(obj: Any) -> str:
@@ -147,6 +197,13 @@ def api_md() -> str:
         for name in groups[kind]:
             if kind == "module":
                 out.append(f"### `{PACKAGE}.{name}`\n")
+                # autodoc leaves out a constant a package imports from its modules: each one named here
+                sub = getattr(module, name)
+                data = [n for n in public_names(sub) if _api_kind(getattr(sub, n, None)) == "data"]
+                exclude = f"\n   :exclude-members: {', '.join(data)}" if data else ""
+                out.append(_eval_rst(f".. automodule:: {PACKAGE}.{name}{options[kind]}{exclude}\n\n"
+                                     + "".join(f".. autodata:: {PACKAGE}.{name}.{n}\n" for n in data)))
+                continue
             out.append(_eval_rst(f".. auto{kind}:: {PACKAGE}.{name}{options.get(kind, '')}"))
     return "\n".join(out)
 
@@ -182,7 +239,19 @@ def config_classes() -> list[type]:
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """``field -> docstring`` from the string literal right below each field in the class body."""
+    """``field -> docstring`` from the string literal right below each field in the class body.
+
+    A field a dataclass inherits keeps the docstring its base class gives it.
+    """
+    docs: dict[str, str] = {}
+    for base in reversed(cls.__mro__[1:]):
+        if dataclasses.is_dataclass(base):
+            docs.update(_own_field_docs(base))
+    docs.update(_own_field_docs(cls))
+    return docs
+
+
+def _own_field_docs(cls: type) -> dict[str, str]:
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     except (OSError, TypeError):
@@ -271,7 +340,7 @@ def config_md() -> str:
         where = ", ".join(f"`{p}*`" for p in under if p) if any(under) else ""
         out.append(f"## {cls.__name__}\n")
         out.append(f"`{cls.__module__}.{cls.__qualname__}`" + (f", read as {where}" if where else "") + "\n")
-        out.append(_md(_own_doc(cls).split("\n\n")[0]) + "\n")
+        out.append(_md(_own_doc(cls).split("\n\n")[0], cls.__module__) + "\n")
         for f in _fields(cls):
             anchor = f"config-{cls.__name__.lower()}-{f.name.replace('_', '-')}"
             typ = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
@@ -280,7 +349,7 @@ def config_md() -> str:
                 facts.append("accepts " + _md(acc).replace("`", "'"))
             if ds := _ds_names(f):
                 facts.append("DeepSpeed " + " or ".join(f"`{n}`" for n in ds))
-            out.append(f"({anchor})=\n`{f.name}`\n: {_md(docs.get(f.name, ''))}\n\n  {'; '.join(facts)}.\n")
+            out.append(f"({anchor})=\n`{f.name}`\n: {_md(docs.get(f.name, ''), cls.__module__)}\n\n  {'; '.join(facts)}.\n")
     return "\n".join(out)
 
 
@@ -360,7 +429,7 @@ def errors_md() -> str:
     for name in errors.__all__:
         cls = getattr(errors, name)
         bases = ", ".join(b.__name__ for b in cls.__bases__)
-        out.append(f"### `{name}` ({bases})\n\n{_md(_own_doc(cls).split(chr(10) * 2)[0])}\n")
+        out.append(f"### `{name}` ({bases})\n\n{_md(_own_doc(cls).split(chr(10) * 2)[0], errors.__name__)}\n")
     return "\n".join(out)
 
 
@@ -380,6 +449,12 @@ def _first_line(path: pathlib.Path) -> str:
     return (doc or "").strip().split("\n\n")[0].replace("\n", " ")
 
 
+def package_map_problems() -> list[str]:
+    """Every module the package map cannot describe: one without a docstring (its first line is its entry)."""
+    return [f"{name}: no module docstring (the package map shows its first line)"
+            for name, path in modules() if not _first_line(path)]
+
+
 def package_map_md() -> str:
     out = []
     mods = modules()
@@ -387,7 +462,8 @@ def package_map_md() -> str:
         if path.name != "__init__.py":
             continue
         out.append(f"## `{name}`\n")
-        out.append(_eval_rst(f".. automodule:: {name}"))
+        public = name.count(".") == 1 and name.split(".")[1] in public_names()  # documented in the API page
+        out.append(_eval_rst(f".. automodule:: {name}" + ("\n   :no-index:" if public else "")))
         members = [(m, p) for m, p in mods if p.name != "__init__.py" and m.rsplit(".", 1)[0] == name]
         if members:
             rst = []
@@ -395,7 +471,7 @@ def package_map_md() -> str:
                 rst.append(f".. py:module:: {m}\n   :synopsis: {_first_line(p) or m}\n")
             out.append(_eval_rst("\n".join(rst)))
             out.append("| module | what it is |\n|---|---|\n" + "\n".join(
-                f"| {{py:mod}}`{m}` | {_md(_first_line(p))} |" for m, p in members) + "\n")
+                f"| {{py:mod}}`{m}` | {_md(_first_line(p), m)} |" for m, p in members) + "\n")
     return "\n".join(out)
 
 
@@ -460,33 +536,67 @@ def _on_builder_inited(app: Any) -> None:
     from sphinx.util import logging
 
     log = logging.getLogger(__name__)
-    for problem in api_problems() + config_problems() + notes_problems():
+    for problem in api_problems() + config_problems() + package_map_problems() + notes_problems():
         log.warning("zinf_docs: %s", problem)
 
 
-def _lookup(target: str, *contexts: str | None) -> tuple[str, Any] | None:
-    """The zinf_jax object ``target`` names (tried as written, then relative to each context), if any."""
-    target = target.lstrip("~.")
-    candidates = [target]
-    for context in contexts:
-        if context:
-            parts = context.split(".")
-            candidates += [".".join(parts[:i] + [target]) for i in range(len(parts), 0, -1)]
-    for full in candidates:
-        if not full.startswith(PACKAGE):
+def _resolve(full: str) -> tuple[bool, Any]:
+    """Imports the module part of ``full`` and follows the attributes (a dataclass field counts)."""
+    parts = full.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
             continue
-        parts = full.split(".")
-        for cut in range(len(parts), 0, -1):
-            try:
-                obj: Any = importlib.import_module(".".join(parts[:cut]))
-            except ImportError:
-                continue
-            try:
-                for attr in parts[cut:]:
-                    obj = getattr(obj, attr)
-            except AttributeError:
-                break
-            return full, obj
+        for i, attr in enumerate(parts[cut:]):
+            if hasattr(obj, attr):
+                obj = getattr(obj, attr)
+            elif isinstance(obj, type) and (attr in getattr(obj, "__dataclass_fields__", {})
+                                            or attr in getattr(obj, "__annotations__", {})
+                                            or _set_in_init(obj, attr)):
+                obj = None  # a field or an instance attribute, without a class-level value
+            elif i == 0 and isinstance(obj, types.ModuleType) and hasattr(obj, "__path__"):
+                # a package's docstring names its modules' objects relatively: ParamLayout in zinf_jax.plan
+                inner = [m for m in _submodules(obj) if m.__dict__.get(attr) is not None]
+                if not inner:
+                    return False, None
+                obj = getattr(inner[0], attr)
+            else:
+                return False, None
+        return True, obj
+    return False, None
+
+
+def _set_in_init(cls: type, attr: str) -> bool:
+    """Whether ``cls.__init__`` assigns ``self.<attr>`` (an instance attribute a docstring may name)."""
+    try:
+        source = inspect.getsource(cls.__init__)
+    except (OSError, TypeError):
+        return False
+    return re.search(rf"\bself\.{re.escape(attr)}\s*(:[^=\n]+)?=[^=]", source) is not None
+
+
+def _lookup(target: str, *contexts: str | None) -> tuple[str, Any] | None:
+    """The zinf_jax object ``target`` names (tried as written, then relative to each context), if any.
+
+    A context that names an object also lends the module that object is defined in.
+    """
+    target = target.lstrip("~.!")
+    todo = [c for c in contexts if c]
+    for c in list(todo):
+        ok, obj = _resolve(c) if c.startswith(PACKAGE) else (False, None)
+        module = getattr(obj, "__module__", None)
+        if ok and isinstance(module, str) and module not in todo:
+            todo.append(module)
+    candidates = [target]
+    for context in todo:
+        parts = context.split(".")
+        candidates += [".".join(parts[:i] + [target]) for i in range(len(parts), 0, -1)]
+    for full in candidates:
+        if full.startswith(PACKAGE):
+            ok, obj = _resolve(full)
+            if ok:
+                return full, obj
     return None
 
 
@@ -529,6 +639,16 @@ _ATTRIBUTE_DOCS: dict[str, list[str]] = {}
 
 
 def _before_napoleon(app: Any, what: str, name: str, obj: Any, options: Any, lines: list[str]) -> None:
+    if what == "data" and name.startswith(PACKAGE + "."):
+        # a re-exported constant: autodoc reads the docstring under it only in the module that imports it
+        # (else it shows the value's type's docstring); read it where the constant is written
+        module, _, attr = name.rpartition(".")
+        try:
+            doc = _data_doc(importlib.import_module(module), attr)
+        except ImportError:
+            doc = ""
+        if doc:
+            lines[:] = doc.splitlines() + [""]
     if what in ("attribute", "property", "data"):
         _ATTRIBUTE_DOCS[name] = list(lines)
 

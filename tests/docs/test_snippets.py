@@ -5,7 +5,7 @@ Conventions for the blocks (writers of README.md and docs/ follow them):
 * Every fenced block whose info string is ``python`` runs, on the 8-device CPU mesh that
   ``tests/conftest.py`` sets up, with a fresh temporary directory as the working directory.
 * The blocks of one file run in order in one namespace, as a reader would type them into one
-  session: a later block may use the names an earlier one defined (``engine``, ``cfg``...).
+  interpreter: a later block may use the names an earlier one defined (``engine``, ``cfg``...).
   Different files share nothing.
 * A block that cannot run here (it needs a GPU, several hosts, a download) carries a marker on the
   line directly before its opening fence: ``<!-- notest: <reason> -->``; the reason is required.
