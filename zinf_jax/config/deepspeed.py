@@ -20,14 +20,18 @@ import json
 import os
 from typing import Any, Callable, Mapping
 
-from zinf_jax.config.ds_keys import KEYS, lookup
+from zinf_jax.config.ds_keys import KEYS, doc_rows, lookup
 from zinf_jax.config.files import read_deepspeed_json
 from zinf_jax.config.fields import BOOL, NONNEG, OPTIMIZERS, Invalid, as_float, as_int, as_other
 from zinf_jax.config.resolution import Resolution, RunValues, _show
 from zinf_jax.config.schedule import SCHEDULES, LRSchedule
 from zinf_jax.errors import ConfigError
 
-__all__ = ["parse_deepspeed", "resolve_deepspeed", "load_file", "RunValues"]
+__all__ = ["parse_deepspeed", "resolve_deepspeed", "load_file", "RunValues", "KEY_TABLE"]
+
+KEY_TABLE: list[tuple[str, str, str]] = doc_rows()
+"""The keys this importer reads, as ``(DeepSpeed key, zinf_jax setting, note)`` rows: the docs' DeepSpeed key
+reference is generated from it (the same :data:`~zinf_jax.config.ds_keys.KEYS` the importer reads)."""
 
 
 _ABSENT: Any = object()
@@ -340,12 +344,14 @@ def _schedule(top: _Section, lr: float | None, reader: _Reader) -> LRSchedule | 
         if (value := p.get(name, conv, *args)) is not _ABSENT:
             kw[name] = value
     if kind == "WarmupCosineLR" or (kind == "WarmupLR" and "warmup_max_lr" not in kw):
+        lr = lr if lr is not None else reader.run.lr  # no optimizer section: the caller's optimizer's lr
         if lr is None:  # DeepSpeed takes the optimizer's lr
             raise ConfigError(f"scheduler: {kind} takes its peak rate from the optimizer's lr, and the file has no "
-                              "optimizer section; add one (optimizer.params.lr) or give scheduler.params.warmup_max_lr"
+                              "optimizer section; add one (optimizer.params.lr), give scheduler.params.warmup_max_lr, or give "
+                              f"{reader.run.how('lr')}"
                               if kind == "WarmupLR" else
                               f"scheduler: {kind} scales the optimizer's lr, and the file has no optimizer section; "
-                              "add one with optimizer.params.lr")
+                              f"add one with optimizer.params.lr or give {reader.run.how('lr')}")
         kw["warmup_max_lr"] = lr
     try:
         return LRSchedule(**kw)
@@ -419,7 +425,8 @@ def _rows(res: Resolution, origin: dict[str, str], key_origin: dict[str, str]) -
         parts = [f"{res.batch} per step" if res.batch else "", f"{res.micro_batch} per device" if res.micro_batch
                  else ""]
         res.set("batch", ", ".join(p for p in parts if p) or "what train_step is given",
-                "; ".join(f"{k} {v}" for k, v in key_origin.items() if k.startswith("train_")))
+                "; ".join(v if v.startswith("config file") else f"{k} {v}"  # "auto": name the key it fills
+                          for k, v in key_origin.items() if k.startswith("train_")))
     res.set("persistence threshold", c.persistence_threshold, src("persistence_threshold"))
     res.set("max live bytes", c.max_live_bytes if c.max_live_bytes is not None else "unbounded", src("max_live_bytes"))
     res.set("sub group size", c.sub_group_size, src("sub_group_size"))

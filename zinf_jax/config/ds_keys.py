@@ -13,14 +13,15 @@
 ``aliases`` are the other spellings DeepSpeed accepts (its deprecated keys and the unprefixed
 ``stage3_`` names its pydantic models take by field name); ``auto`` says how the Hugging Face
 integration fills the value ``"auto"`` (see :mod:`zinf_jax.config.deepspeed`). A key whose parent is
-listed with ``whole=True`` is a section reported once, by its name. Standard library only.
+listed with ``whole=True`` is a section reported once, by its name. :func:`doc_rows` is the same table as
+the docs' DeepSpeed key reference shows it. Standard library only.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-__all__ = ["DsKey", "KEYS", "lookup", "EFFECTS"]
+__all__ = ["DsKey", "KEYS", "lookup", "EFFECTS", "doc_rows"]
 
 EFFECTS = ("set", "none", "unsupported")
 
@@ -201,3 +202,24 @@ def lookup(dotted: str) -> DsKey | None:
         if entry is not None and entry.whole:
             return entry
     return None
+
+
+_NOT_SET = {"none": "(no counterpart: no effect on the numbers)", "unsupported": "(changes training: not supported)"}
+
+
+def doc_rows() -> list[tuple[str, str, str]]:
+    """:data:`KEYS` as ``(DeepSpeed key, zinf_jax setting, note)`` rows, in table order (the docs' key reference).
+
+    The note says what the key means here, its other spellings, and how ``"auto"`` is filled.
+    """
+    rows = []
+    for k in KEYS:
+        setting = k.field or _NOT_SET.get(k.effect, "(checked)")
+        note = k.about + (" (the whole section)" if k.whole else "")
+        parent = k.key.rpartition(".")[0]
+        if k.aliases:
+            note += "; also spelled " + ", ".join(f"{parent}.{a}" if parent else a for a in k.aliases)
+        if k.auto:
+            note += f'; "auto" becomes: {k.auto}'
+        rows.append((k.key, setting, note))
+    return rows
