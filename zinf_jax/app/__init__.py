@@ -8,6 +8,8 @@
   :mod:`zinf_jax.distributed`).
 * :mod:`~zinf_jax.app.train`: the main job's loop: build or resume, train, save, report.
 * :mod:`~zinf_jax.app.checks`: every flag checked before anything is built.
+* :mod:`~zinf_jax.app.settings`: the flags, or a config file (zinf, DeepSpeed, accelerate) with the flags given
+  explicitly on top; the resolution ``train`` prints, each setting with its source.
 * :mod:`~zinf_jax.app.rundir`: the run directory: lock, reuse refusal, leftovers of killed saves.
 * :mod:`~zinf_jax.app.progress`: the live progress line.
 * :mod:`~zinf_jax.app.inspect`: what a checkpoint or an nvme tier holds, as text.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from zinf_jax.config.zero import DEVICES as TIERS, ENGINES, MOMENTS_DTYPES
+from zinf_jax.config.zero import COMPUTE_DTYPES, DEVICES as TIERS, ENGINES, MOMENTS_DTYPES
 
 __all__ = ["check_args", "check_batch", "flag", "allowed"]
 
@@ -26,6 +26,7 @@ _INTS = {
     "save_every": (0, "an integer >= 0 (steps between checkpoints; 0: only at the end and on a signal)"),
     "keep": (0, "an integer >= 0 (the newest checkpoints to keep; 0 keeps all)"),
     "seed": (0, "an integer >= 0"),
+    "gradient_accumulation_steps": (1, "a positive integer (micro-batches per optimizer step)"),
     "persistence_threshold": (0, "an integer >= 0 (elements)"),
     "log_every": (1, "a positive integer (steps between progress lines when not on a terminal)"),
     "num_processes": (1, "a positive integer (processes in the job)"),
@@ -86,6 +87,8 @@ def check_args(args: Any) -> None:
         raise _bad("nvme_update", args.nvme_update, "in_place or double_slot")
     if args.engine not in ENGINES:
         raise _bad("engine", args.engine, "one of " + ", ".join(ENGINES))
+    if args.compute_dtype is not None and args.compute_dtype not in COMPUTE_DTYPES:
+        raise _bad("compute_dtype", args.compute_dtype, "one of " + ", ".join(COMPUTE_DTYPES))
     if args.moments_dtype not in MOMENTS_DTYPES:
         raise _bad("moments_dtype", args.moments_dtype, " or ".join(MOMENTS_DTYPES))
     if not str(args.run_dir):
@@ -145,6 +148,8 @@ def allowed(field: str) -> str | None:
         return "one of " + ", ".join(ENGINES)
     if field == "moments_dtype":
         return " or ".join(MOMENTS_DTYPES)
+    if field == "compute_dtype":
+        return "one of " + ", ".join(COMPUTE_DTYPES)
     return None
 
 

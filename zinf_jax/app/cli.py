@@ -77,7 +77,7 @@ def _flag_help(name: str, doc: str, default: object) -> str:
 
 
 _METAVARS = {"run_dir": "DIR", "nvme_dir": "DIR", "tensorboard": "DIR", "profile": "DIR", "config": "FILE",
-             "deepspeed_config": "FILE", "param_device": "TIER", "optimizer_device": "TIER", "nvme_update": "MODE", "engine": "ENGINE", "moments_dtype": "DTYPE",
+             "deepspeed_config": "FILE", "compute_dtype": "DTYPE", "param_device": "TIER", "optimizer_device": "TIER", "nvme_update": "MODE", "engine": "ENGINE", "moments_dtype": "DTYPE",
              "coordinator": "HOST:PORT"}
 
 
@@ -193,7 +193,7 @@ def _main(argv: list[str] | None, stop: StopAgreement) -> int:
     a = make_parser().parse_args(argv)
     try:
         if a.command == "train":
-            return _train(a, stop)
+            return _train(a, stop, _given(argv))
         stop.restore()  # the other commands are short: a signal interrupts them the ordinary way
         stop.check("startup")
         if a.command == "inspect":
@@ -245,7 +245,16 @@ def _main(argv: list[str] | None, stop: StopAgreement) -> int:
         return 2
 
 
-def _train(a: argparse.Namespace, stop: StopAgreement) -> int:
+def _given(argv: list[str] | None) -> frozenset[str]:
+    """The ``train`` flags given on the command line (field names), not taken from their defaults."""
+    parser = make_parser()
+    train = next(act for act in parser._subparsers._group_actions if act.dest == "command").choices["train"]
+    for action in train._actions:
+        action.default = argparse.SUPPRESS
+    return frozenset(vars(parser.parse_args(sys.argv[1:] if argv is None else argv))) - {"command"}
+
+
+def _train(a: argparse.Namespace, stop: StopAgreement, given: frozenset[str] | None = None) -> int:
     """``zinf-jax train``: checks every flag, then runs the main job under ``stop``."""
     from zinf_jax.app.train import TrainArgs, check_args, train
 
@@ -260,7 +269,7 @@ def _train(a: argparse.Namespace, stop: StopAgreement) -> int:
 
         start(args.coordinator, args.num_processes, args.process_id, args.peer_timeout, args.run_dir)
     stop.check("startup")
-    summary = train(args, stop=stop)
+    summary = train(args, stop=stop, given=given)
     if summary["interrupted"]:
         return summary["exit_code"]
     if stop.requested:  # it came after the last save: everything is saved, but the signal is not swallowed

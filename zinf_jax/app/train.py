@@ -41,7 +41,7 @@ from zinf_jax.app.models import GPT, GPTConfig, batch_at, corpus, lm_loss
 from zinf_jax.app.progress import Progress
 from zinf_jax.checkpoint import policies
 from zinf_jax.checkpoint.format import META, is_complete
-from zinf_jax.config import Offload, ZeroConfig
+from zinf_jax.config import ZeroConfig
 from zinf_jax.distributed import StopAgreement, current
 from zinf_jax.errors import CheckpointError, ConfigError, DistributedError, Interrupted, NonFiniteLossError, TierError
 from zinf_jax.optim import adamw
@@ -94,8 +94,14 @@ class TrainArgs:
       resume: continue from the newest good checkpoint in ``<run_dir>/ckpt``.
       overwrite: delete the run dir's checkpoints, tier state and logs, then start over
         (without it, or ``resume``, a run dir that holds them is refused).
-      config: a zinf config JSON (``ZeroConfig.to_dict`` form) overriding the tier flags.
-      deepspeed_config: a DeepSpeed JSON config (stage 3) instead.
+      config: a zinf config JSON (``ZeroConfig.to_dict`` form); flags given explicitly override it.
+      deepspeed_config: a DeepSpeed JSON config (stage 3), or an accelerate YAML (``.yaml``) with a DeepSpeed
+        section, instead: its ``"auto"`` values are filled from the flags (as the Hugging Face integration
+        fills them from the Trainer's arguments), flags given explicitly override it, and the settings
+        resolved are printed with their sources (:mod:`zinf_jax.app.settings`).
+      compute_dtype: ``float32``, ``bfloat16`` or ``float16`` (with loss scaling); default: float32 on CPU,
+        bfloat16 on GPU/TPU.
+      gradient_accumulation_steps: micro-batches per optimizer step (the batch is split into this many).
       seed: initialisation and data seed.
       persistence_threshold: parameters with at most this many elements are not
         sharded (small, so that the demo model's blocks really are partitioned).
@@ -143,6 +149,8 @@ class TrainArgs:
     overwrite: bool = False
     config: str | None = None
     deepspeed_config: str | None = None
+    compute_dtype: str | None = None
+    gradient_accumulation_steps: int = 1
     seed: int = 0
     persistence_threshold: int = 1024
     progress: bool = True
@@ -155,28 +163,14 @@ class TrainArgs:
     peer_timeout: int = 60
 
 
-def build_config(args: TrainArgs) -> ZeroConfig:
-    """The ZeroConfig the flags (or the given config files) describe (creates nothing)."""
-    if args.config and args.deepspeed_config:
-        raise ValueError("--config and --deepspeed-config: give one of them, not both")
-    if args.deepspeed_config or args.config:
-        config = _config_file(args)
-        return config if args.engine == "auto" else dataclasses.replace(config, engine=args.engine)
-    nvme = args.nvme_dir or os.path.join(args.run_dir, "nvme")
-    off = lambda d: Offload(d, path=nvme if d == "nvme" else None)  # noqa: E731
-    return ZeroConfig(offload_param=off(args.param_device), offload_optimizer=off(args.optimizer_device),
-                      gradient_clipping=args.clip, seed=args.seed, persistence_threshold=args.persistence_threshold,
-                      nvme_update=args.nvme_update, engine=args.engine, moments_dtype=args.moments_dtype)
+def build_config(args: TrainArgs, given: frozenset[str] | None = None) -> ZeroConfig:
+    """The ZeroConfig the flags (or the given config file, with the flags given over it) describe (creates nothing).
 
+    See :func:`zinf_jax.app.settings.resolve`, which also returns the flags as the run uses them.
+    """
+    from zinf_jax.app.settings import resolve
 
-def _config_file(args: TrainArgs) -> ZeroConfig:
-    if args.deepspeed_config:
-        return ZeroConfig.from_deepspeed(args.deepspeed_config)
-    with open(args.config) as f:
-        try:
-            return ZeroConfig.from_dict(json.load(f))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--config {args.config}: not valid JSON ({e})") from None
+    return resolve(args, given)[1]
 
 
 def _nvme_paths(args: TrainArgs, config: ZeroConfig) -> list[str]:
@@ -184,9 +178,10 @@ def _nvme_paths(args: TrainArgs, config: ZeroConfig) -> list[str]:
 
 
 def _make_tier_dirs(args: TrainArgs, config: ZeroConfig) -> None:
-    """Creates the job's own nvme directories (the default one, or a relative swap folder of a config)."""
+    """Creates the job's own nvme directories (``--nvme-dir``, the default one, or a relative swap folder of a config)."""
+    own = (args.nvme_dir, os.path.join(args.run_dir, "nvme"))
     for path in _nvme_paths(args, config):
-        if not (args.config or args.deepspeed_config) or not os.path.isabs(path):
+        if not (args.config or args.deepspeed_config) or not os.path.isabs(path) or path in own:
             os.makedirs(path, exist_ok=True)
 
 
@@ -395,10 +390,6 @@ def _run_locked(args: TrainArgs, config: ZeroConfig, run_dir: Path, out: TextIO,
     if stale:
         out.write(f"zinf-jax train: removed {len(stale)} unfinished save(s) of an earlier run: {', '.join(stale)}\n")
     _make_tier_dirs(args, config)
-    if config.optimizer is not None:
-        o = config.optimizer
-        out.write(f"zinf-jax train: using the config's optimizer section ({o.name}, lr {o.lr}, no schedule); "
-                  "--lr, --warmup and --weight-decay do not apply\n")
     stop.check("startup")
     t0 = time.perf_counter()
     run = None
@@ -435,7 +426,8 @@ def _fd_of(out: TextIO) -> int | None:
         return None
 
 
-def train(args: TrainArgs, *, out: TextIO | None = None, stop: StopAgreement | None = None) -> dict[str, Any]:
+def train(args: TrainArgs, *, out: TextIO | None = None, stop: StopAgreement | None = None,
+          given: frozenset[str] | None = None) -> dict[str, Any]:
     """Runs the main job; returns its summary (also printed and written as JSON).
 
     Args:
@@ -443,6 +435,8 @@ def train(args: TrainArgs, *, out: TextIO | None = None, stop: StopAgreement | N
       out: where progress and messages go (default stderr).
       stop: the stop request to honour (default: one installed for the run when
         called from the main thread).
+      given: the flags given explicitly (``TrainArgs`` field names; default: those differing from
+        their defaults): with a config file, these override it.
 
     Returns:
       The summary; ``interrupted``/``signal``/``exit_code`` tell whether a
@@ -461,8 +455,12 @@ def train(args: TrainArgs, *, out: TextIO | None = None, stop: StopAgreement | N
     if own:
         stop = StopAgreement(fd=_fd_of(out))
     try:
-        config = build_config(args)
+        from zinf_jax.app.settings import resolve
+
+        args, config, resolution = resolve(args, given)  # a config file may set the batch
         check_batch(args, config)
+        if resolution is not None:
+            out.write(f"zinf-jax train: {resolution}\n")
         stop.check("startup")
         run_dir = Path(args.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
