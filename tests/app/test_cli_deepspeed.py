@@ -183,12 +183,16 @@ def test_seed_clip_and_dtype_flags_change_the_run(tmp_path, engines):
     ({"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}, ["--warmup", "5"],
      "--warmup 5: DS has an optimizer section and no scheduler"),
     ({"zero_optimization": {"stage": 3}}, ["--nvme-update", "double_slot"], "--nvme-update double_slot: no tier"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "SWAP"}}}, [],
+     "DS: zero_optimization.offload_param.nvme_path 'SWAP' does not exist; create it, set "
+     "zero_optimization.offload_param.nvme_path to a directory on a local disk, or give --nvme-dir DIR"),
     ({"zero_optimization": {"stage": 3, "sub_group_size": "auto"}}, [],
      "error: zero_optimization.sub_group_size: \"auto\" has no rule"),
     ({"zero_optimization": {"stage": 3}, "train_batch_size": 16, "train_micro_batch_size_per_gpu": 4}, [],
      "train_batch_size 16 is not train_micro_batch_size_per_gpu 4 x 8 devices x 1 accumulation steps"),
 ])
 def test_a_flag_that_cannot_apply_is_refused(tmp_path, capsys, ds, flags, message):
+    ds = json.loads(json.dumps(ds).replace("SWAP", str(tmp_path / "swap")))
     cfg = _write(tmp_path / "ds.json", ds)
     flags = [str(tmp_path / "swap") if f == "SWAP" else f for f in flags]
     assert _run(tmp_path, cfg, "--steps", "1", *flags) == 2
@@ -202,7 +206,7 @@ def test_a_zinf_config_keeps_its_own_seed_engine_and_nvme_update_unless_a_flag_i
 
     cfg = tmp_path / "zinf.json"
     cfg.write_text(json.dumps({"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "nvme",
-                                                                                         "path": "/x"},
+                                                                                         "path": str(tmp_path)},
                                "seed": 7, "engine": "streamed", "nvme_update": "double_slot", "gradient_clipping": 2.0}))
     args = TrainArgs(config=str(cfg), run_dir=str(tmp_path / "run"))
     _, config, res = resolve(args, frozenset({"config", "run_dir"}))
@@ -214,3 +218,7 @@ def test_a_zinf_config_keeps_its_own_seed_engine_and_nvme_update_unless_a_flag_i
                            frozenset({"config", "run_dir", "seed", "clip", "param_device", "nvme_dir"}))
     assert (config.seed, config.gradient_clipping, config.offload_param.device) == (0, 0.5, "none")
     assert config.offload_optimizer.path == str(tmp_path / "swap") and config.engine == "streamed"
+    gone = str(tmp_path / "gone")
+    cfg.write_text(json.dumps({"offload_optimizer": {"device": "nvme", "path": gone}}))
+    with pytest.raises(ValueError, match=f"offload_optimizer.path '{gone}' does not exist.*or give --nvme-dir DIR"):
+        resolve(args, frozenset({"config", "run_dir"}))

@@ -163,6 +163,20 @@ class _Flags:
             for n in on:
                 self.replace(**{n: dataclasses.replace(getattr(self.config, n), path=a.nvme_dir)})
                 self.note(f"{n.replace('offload_', '')} tier", f"nvme at {a.nvme_dir}", "nvme_dir")
+        self._paths_exist()
+
+    def _paths_exist(self) -> None:
+        """An nvme path the file gives (absolute: the job creates only its own folders) must exist."""
+        own = {self.args.nvme_dir, os.path.join(self.args.run_dir, "nvme")}
+        for name in ("offload_param", "offload_optimizer"):
+            off = getattr(self.config, name)
+            if off.device != "nvme" or off.path in own or not os.path.isabs(off.path) or os.path.isdir(off.path):
+                continue
+            key = f"zero_optimization.{name}.nvme_path" if self.res is not None else f"{name}.path"
+            if str(self.file).endswith((".yaml", ".yml")):
+                key += f" (or the accelerate file's deepspeed_config.{name}_nvme_path)"
+            raise ValueError(f"{self.file}: {key} {off.path!r} does not exist; create it, set {key} to a directory "
+                             "on a local disk, or give --nvme-dir DIR (which overrides the file's path)")
 
     def _dtype(self, dtype: str) -> None:
         c = self.config
