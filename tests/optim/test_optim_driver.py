@@ -460,7 +460,7 @@ def test_optax_rule_compiles_once_per_distinct_program_and_keeps_path_masks(tmp_
     distinct = lambda progs: len({id(p) for p in progs.values()})  # noqa: E731
     assert distinct(opt.rule._progs) == 2  # updates: blocks 0-2 alike, block 3 without decay
     assert distinct(opt.rule._inits) == 1  # the state's init: one for all four (its leaves carry no path names)
-    assert len(opt.rule._by_text) == 3
+    assert len(opt.rule._by_key) == 3
 
 
 def _nest_tx(tx):

@@ -5,8 +5,10 @@ one step to one float32 shard in place (fused numba kernel, pure-JAX fallback);
 :mod:`~zinf_jax.optim.scaling` turns one reduction pass over the gradient into
 the clipping/unscaling multiplier, the non-finite skip and the loss-scale update;
 :class:`~zinf_jax.optim.driver.StreamedOptimizer` streams the state through a tier, applying an
-update rule per sub-group (:mod:`~zinf_jax.optim.rules`: the fused Adam, or any element-wise optax
-transform).
+update rule (:mod:`~zinf_jax.optim.rules`: the fused Adam, or any optax transform: per sub-group where
+:mod:`~zinf_jax.optim.optax_probe` proves it element-wise on a parameter, per whole tensor elsewhere,
+:mod:`~zinf_jax.optim.optax_rule`; packs and whole tensors are read and written by
+:mod:`~zinf_jax.optim.work`).
 """
 
 from zinf_jax.optim.adam import (

@@ -56,8 +56,9 @@ def with_clipping(optimizer: Any, clip: float) -> Any:
     else:
         import optax
 
-        from zinf_jax.optim.optax_rule import leading_global_clip
+        from zinf_jax.optim.optax_rule import as_transform, leading_global_clip
 
+        optimizer = as_transform(optimizer)  # an optax.MultiSteps as its GradientTransformation
         have = leading_global_clip(optimizer)
         if have is None:
             return optax.chain(optax.clip_by_global_norm(float(clip)), optimizer)

@@ -45,12 +45,14 @@ from jax.profiler import TraceAnnotation
 
 from zinf_jax._internal.futures import all_of, is_future, wait_all
 from zinf_jax.config.zero import MOMENTS_DTYPES
+from zinf_jax.errors import ConfigError
 from zinf_jax.optim.grads_out import TierGrads
 from zinf_jax.optim.kernel import all_finite, sum_squares
 from zinf_jax.optim.rules import UpdateRule, make_rule
-from zinf_jax.optim.subgroups import (PACK_BELOW, PACK_ELEMENTS, BufferSet, Group, Pack, Pipe, pack_groups,
-                                     sub_groups, work_name)
 from zinf_jax.optim.scaling import LossScaler, grad_scale, init_loss_scale, update_loss_scale
+from zinf_jax.optim.subgroups import (PACK_BELOW, PACK_ELEMENTS, BufferSet, Group, Pack, Pipe, Whole, pack_groups,
+                                     sub_groups, work_name)
+from zinf_jax.optim.work import MultiShardWork
 from zinf_jax.tiers.base import ShardSpec, Tier, np_dtype
 from zinf_jax.tiers.direct import aligned_empty
 
@@ -71,13 +73,13 @@ RAM during the next forward and backward does not hold the optimizer's buffers a
 forward's own ~2 GiB), for a refault a step that costs a few tenths of a second of a 20 s step."""
 
 
-class StreamedOptimizer:
+class StreamedOptimizer(MultiShardWork):
     """An optimizer over state kept in a tier, streamed sub-group by sub-group.
 
     Args:
       spec: :func:`~zinf_jax.optim.adamw` / :func:`~zinf_jax.optim.adam` (the
-        fused kernel), or an element-wise optax ``GradientTransformation``
-        (see :mod:`zinf_jax.optim.optax_rule`).
+        fused kernel), or an optax ``GradientTransformation`` (see :mod:`zinf_jax.optim.optax_rule`:
+        chunk by chunk where it is element-wise, whole tensors elsewhere).
       tier: where master weights and moments live (``CpuTier(memory="numpy")`` or ``NvmeTier``).
       layouts: parameter path to its :class:`~zinf_jax.plan.partition.ParamLayout`.
       local_indices: shard indices of a parameter that this process stores.
@@ -130,6 +132,13 @@ class StreamedOptimizer:
                     self._groups.append(Group(path, i, c, c * chunk, min(chunk, numel - c * chunk), n, i * n + c))
         self._max_chunk = max(self._chunk.values(), default=1)
         self.rule: UpdateRule = make_rule(spec, self.layouts, self._chunk)
+        self._whole = {p for p in self.layouts if getattr(self.rule, "whole", lambda p: False)(p)}
+        for p in sorted(self._whole):  # See [Note: whole-tensor updates]
+            if len(self._local[p]) != self.layouts[p].num_shards:
+                raise ConfigError(f"optimizer: {p!r} needs its whole tensor for its update "
+                                  f"({self.rule.why.get(p, 'a whole-tensor rule')}), but this process holds "
+                                  f"{len(self._local[p])} of its {self.layouts[p].num_shards} shards. Fix: an "
+                                  "element-wise transform in a multi-process job, or one process", field="optimizer")
         self._names = {path: ("master", *self.rule.state_names(path)) for path in self.layouts}
         self._n_arrays = max((len(v) for v in self._names.values()), default=1)
         self._work: list[Group | Pack] = self._plan()
@@ -138,8 +147,8 @@ class StreamedOptimizer:
         if grad_tier is not None:
             geo = {p: (self._numel[p], self._chunk[p], self._nch[p], lay.num_shards) for p, lay in self.layouts.items()}
             self.grads = TierGrads(grad_tier, geo, self._local, owner)
-        packs = any(isinstance(w, Pack) for w in self._work)  # a pack's gradient is gathered into the set
-        self._set_size = max([self._max_chunk, *(w.size for w in self._work if isinstance(w, Pack))])
+        packs = any(isinstance(w, (Pack, Whole)) for w in self._work)  # their gradient is gathered into the set
+        self._set_size = max([self._max_chunk, *(w.size for w in self._work if isinstance(w, (Pack, Whole)))])
         self._set_arrays = self._n_arrays + (self.grads is not None or packs)
         self._sets: list[BufferSet] = []  # the pool, kept across steps (fresh buffers cost page faults)
         self._free: collections.deque[BufferSet] = collections.deque()
@@ -155,13 +164,25 @@ class StreamedOptimizer:
         """Seconds of the last :meth:`step` in the norm pass, waiting on reads and writes, in Adam, in write_param."""
 
     # --- layout -------------------------------------------------------------
-    def _plan(self) -> list[Group | Pack]:
-        """The step's units of work: the sub-groups in order, small whole shards in packs.
+    def _plan(self) -> list[Group | Pack | Whole]:
+        """The step's units of work: the sub-groups in order, small whole shards in packs, the parameters of a
+        whole-tensor rule whole (each where its first sub-group was).
 
-        See [Note: packs] in :mod:`~zinf_jax.optim.subgroups`.
+        See [Note: packs] in :mod:`~zinf_jax.optim.subgroups` and [Note: whole-tensor updates].
         """
-        return pack_groups(self._groups, self._pack_below, PACK_ELEMENTS, same=lambda g: self._names[g.path],
-                           order=lambda g: self.rule.pack_key(g.path, self.layouts[g.path].shape))
+        rank = {id(g): i for i, g in enumerate(self._groups)}
+        wholes: dict[str, list[Group]] = {}
+        for g in self._groups:
+            if g.path in self._whole:
+                wholes.setdefault(g.path, []).append(g)
+        work: list[Group | Pack | Whole] = pack_groups(
+            [g for g in self._groups if g.path not in self._whole], self._pack_below, PACK_ELEMENTS,
+            same=lambda g: self._names[g.path], order=lambda g: self.rule.pack_key(g.path, self.layouts[g.path].shape))
+        for path, gs in wholes.items():
+            gs = sorted(gs, key=lambda g: (g.shard, g.chunk))
+            work.append(Whole(path, tuple(gs), self._chunk[path], self._chunk[path] * self._nch[path]))
+        first = lambda w: min(rank[id(g)] for g in (w.members if isinstance(w, (Pack, Whole)) else (w,)))  # noqa: E731
+        return sorted(work, key=first)
 
     def declare(self) -> None:
         """Declares ``master/<path>`` and the rule's states (Adam: ``m/<path>``, ``v/<path>``) in the tier."""
@@ -355,7 +376,7 @@ class StreamedOptimizer:
         w, bs.written = bs.written, None
         self._live -= 1
         self._free.append(bs)
-        for gr in (() if w is None or quiet else w.members if isinstance(w, Pack) else (w,)):
+        for gr in (() if w is None or quiet else w.members if isinstance(w, (Pack, Whole)) else (w,)):
             self._left[gr.path] -= 1
             if self._left[gr.path] == 0 and self._on_written is not None:
                 self._on_written(gr.path)
@@ -374,6 +395,8 @@ class StreamedOptimizer:
         """Reads or writes every state of ``w`` (a sub-group or a pack); each future joins ``bs.pending`` at once."""
         if isinstance(w, Pack):
             return self._io_pack(bs, w, read)
+        if isinstance(w, Whole):
+            return self._io_whole(bs, w, read)
         gr, size = w, self._chunk[w.path]
         for k, (s, a) in enumerate(zip(self._names[gr.path], bs.arrays)):
             key, buf = f"{s}/{gr.path}", a[:size]
@@ -382,24 +405,6 @@ class StreamedOptimizer:
             bs.pending.append(self.tier.get(key, gr.index, out=buf) if read else self.tier.put(key, gr.index, buf))
         if read and self.grads is not None and self.grads.has(gr.path, gr.shard):
             bs.pending.append(self.grads.read_chunk(gr.path, gr.shard, gr.chunk, bs.arrays[-1][:size]))
-
-    def _io_pack(self, bs: BufferSet, pk: Pack, read: bool) -> None:
-        """:meth:`_io` of a pack: each member's states at its offset of the set's arrays (gradients too, from a
-        grad tier; a member without a gradient this step gets zeros)."""
-        names = self._names[pk.members[0].path]
-        for k, (s, a) in enumerate(zip(names, bs.arrays)):
-            whole = a[:pk.size]
-            if read and s != "master" and self.state_dtype != "float32":  # See [Note: bf16 moments]
-                whole = bs.staged(k, pk.size, np_dtype(self.state_dtype))
-            items = [(f"{s}/{gr.path}", gr.index, whole[off:off + gr.valid]) for gr, off in zip(pk.members, pk.offsets)]
-            bs.pending += self.tier.get_many(items) if read else self.tier.put_many(items)
-        if read and self.grads is not None:
-            g = bs.arrays[-1]
-            for gr, off in zip(pk.members, pk.offsets):
-                if self.grads.has(gr.path, gr.shard):
-                    bs.pending.append(self.grads.read_chunk(gr.path, gr.shard, 0, g[off:off + gr.valid]))
-                else:
-                    g[off:off + gr.valid] = 0.0
 
     def _fill(self, pipe: Pipe, j: int) -> None:
         """Reclaims finished writes, then reads ahead into free buffers (sub-group ``j`` at least)."""
@@ -499,10 +504,12 @@ class StreamedOptimizer:
                 for f in bs.pending:
                     f.result()
             bs.pending = []
-            bs.unstage(w.size if isinstance(w, Pack) else self._chunk[w.path])  # bf16 states widened to float32
+            bs.unstage(w.size if isinstance(w, (Pack, Whole)) else self._chunk[w.path])  # bf16 states to float32
             t_read += time.perf_counter() - t
-            if isinstance(w, Pack):
-                t_adam_w, t_param_w = self._update_pack(bs, w, grad, write_params, step=step, lr=lr, mult=mult)
+            if isinstance(w, (Pack, Whole)):
+                t_adam_w, t_param_w = (self._update_pack(bs, w, grad, write_params, step=step, lr=lr, mult=mult)
+                                       if isinstance(w, Pack) else self._update_whole(bs, w, grad, write_param,
+                                                                                       mult=mult))
                 t_adam, t_param = t_adam + t_adam_w, t_param + t_param_w
                 bs.written = w
                 pipe.writing.append(bs)
@@ -562,34 +569,6 @@ class StreamedOptimizer:
     def packs(self) -> int:
         """How many packs of small shards a step updates (see :meth:`_plan`)."""
         return sum(isinstance(w, Pack) for w in self._work)
-
-    def _update_pack(self, bs: BufferSet, pk: Pack, grad, write_params, *, step: int, lr: float,
-                     mult: np.float32) -> tuple[float, float]:
-        """Updates a pack read into ``bs`` and issues its writes (states, then its parameters in one call);
-        the seconds spent in the update and in ``write_params``."""
-        t = time.perf_counter()
-        g = bs.arrays[-1]
-        if not isinstance(grad, TierGrads):  # (read with the states otherwise)
-            for gr, off in zip(pk.members, pk.offsets):
-                part = grad(gr.path, gr.shard)
-                if part is None:
-                    g[off:off + gr.valid] = 0.0
-                else:
-                    np.copyto(g[off:off + gr.valid], np.asarray(part).reshape(-1), casting="unsafe")
-        arrays = [a[:pk.size] for a in bs.arrays[:len(self._names[pk.members[0].path])]]
-        spans = [(gr.path, self.layouts[gr.path].shape, off, off + gr.valid) for gr, off in zip(pk.members, pk.offsets)]
-        with TraceAnnotation("zinf/optimizer_update", param=work_name(pk)):
-            self.rule.update_many(spans, arrays, g[:pk.size], step=step, lr=lr, mult=mult)
-        t_adam = time.perf_counter() - t
-        with TraceAnnotation("zinf/optimizer_write", param=work_name(pk)):
-            self._io(bs, pk, read=False)
-        t = time.perf_counter()
-        master = arrays[0]
-        items = [(gr.path, gr.shard, master[lo:hi].reshape(self.layouts[gr.path].shard_shape))
-                 for gr, (_, _, lo, hi) in zip(pk.members, spans)]
-        outs = write_params(items)
-        bs.pending += [f for f in outs if is_future(f)]
-        return t_adam, time.perf_counter() - t
 
 
 NORM_DONE = ""

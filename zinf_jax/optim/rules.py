@@ -7,8 +7,9 @@ and how one sub-group is updated. Two rules exist:
 
 * :class:`AdamRule`: Adam / AdamW from an :class:`~zinf_jax.optim.AdamSpec`,
   the fused in-place kernel (the fast path);
-* :class:`~zinf_jax.optim.optax_rule.OptaxRule`: any element-wise optax
-  ``GradientTransformation``, run per sub-group on the host CPU backend.
+* :class:`~zinf_jax.optim.optax_rule.OptaxRule`: any optax ``GradientTransformation``, run on the
+  host CPU backend per sub-group where it is element-wise and per whole parameter elsewhere
+  ([Note: whole-tensor updates] in :mod:`~zinf_jax.optim.work`).
 
 Every per-element state is stored as float32 chunks of the master's chunking,
 key ``f"{name}/{path}"`` in the optimizer tier.
@@ -19,6 +20,7 @@ from typing import Any, Hashable, Mapping, Protocol, Sequence
 
 import numpy as np
 
+from zinf_jax.errors import ConfigError
 from zinf_jax.optim.adam import AdamSpec, adam_update_shard
 from zinf_jax.optim.subgroups import Span
 
@@ -118,16 +120,15 @@ def make_rule(optimizer: Any, layouts: Mapping[str, Any], chunks: Mapping[str, i
     """The rule for ``optimizer``: an :class:`AdamSpec` or an optax ``GradientTransformation``.
 
     Raises:
-      TypeError: neither.
-      ValueError: an optax transform that is not element-wise.
+      ConfigError: neither, or an optax transform the driver cannot run (with the reason and the fix).
     """
     if isinstance(optimizer, AdamSpec):
         return AdamRule(optimizer)
     import optax
 
-    if isinstance(optimizer, optax.GradientTransformation):
+    if isinstance(optimizer, (optax.GradientTransformation, optax.MultiSteps)):
         from zinf_jax.optim.optax_rule import OptaxRule
 
         return OptaxRule(optimizer, layouts, chunks)
-    raise TypeError(f"optimizer= takes zinf_jax.adamw(...)/adam(...) or an element-wise optax "
-                    f"GradientTransformation, got {type(optimizer).__name__}")
+    raise ConfigError(f"optimizer: takes zinf_jax.adamw(...)/adam(...), an optax GradientTransformation or an "
+                      f"optax.MultiSteps, got {type(optimizer).__name__}", field="optimizer")

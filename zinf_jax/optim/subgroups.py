@@ -33,7 +33,7 @@ import numpy as np
 
 from zinf_jax.tiers.direct import aligned_empty
 
-__all__ = ["Group", "Pack", "Span", "PACK_BELOW", "PACK_ELEMENTS", "pack_groups", "pool_geometry", "sub_groups",
+__all__ = ["Group", "Pack", "Whole", "Span", "PACK_BELOW", "PACK_ELEMENTS", "pack_groups", "pool_geometry", "sub_groups",
            "work_name", "BufferSet", "Pipe"]
 
 PACK_BELOW = 1 << 16
@@ -64,6 +64,25 @@ class Pack:
     members: tuple[Group, ...]
     offsets: tuple[int, ...]
     size: int  # elements of all members
+
+
+@dataclasses.dataclass(frozen=True)
+class Whole:
+    """Every sub-group of one parameter, updated together by a whole-tensor rule.
+
+    ``members`` in order of shard then chunk; member ``k`` at ``k * chunk`` of the buffers, so shard ``s``
+    (the ``s``-th local one) is at ``s * per_shard`` with ``per_shard = n_chunks * chunk`` (zero-padded).
+    """
+
+    path: str
+    members: tuple[Group, ...]
+    chunk: int
+    per_shard: int
+
+    @property
+    def size(self) -> int:
+        """Elements of each of its buffers (every shard, padded)."""
+        return len(self.members) * self.chunk
 
 
 def pack_groups(groups: Sequence[Group], below: int, most: int, same: Callable[[Group], Hashable],
@@ -120,7 +139,7 @@ def pool_geometry(shards: Sequence[tuple[int, int]], sub_group_size: int, below:
     return len(work), max([largest, *packs]), bool(packs)
 
 
-def work_name(w: Group | Pack) -> str:
+def work_name(w: Group | Pack | Whole) -> str:
     """What the profiler regions name: the sub-group's parameter, or a pack's first and its size."""
     return f"{w.members[0].path} +{len(w.members) - 1}" if isinstance(w, Pack) else w.path
 
