@@ -13,6 +13,21 @@ TINY = ["--d-model", "32", "--n-layers", "2", "--seq", "32", "--no-progress", "-
 
 
 @pytest.fixture
+def batches(monkeypatch):
+    """The batch sizes the runs feed (rows per step)."""
+    sizes = []
+    real = train_mod.batch_at
+
+    def batch_at(*a, **kw):
+        out = real(*a, **kw)
+        sizes.append(len(out))
+        return out
+
+    monkeypatch.setattr(train_mod, "batch_at", batch_at)
+    return sizes
+
+
+@pytest.fixture
 def engines(monkeypatch):
     """The engines the runs build (to read their tiers, clipping and schedule)."""
     built = []
@@ -56,7 +71,7 @@ HF_SHAPE = {  # the HF docs' ZeRO-3 shape: "auto" everywhere, old offload keys, 
 }
 
 
-def test_hf_shape_trains_with_auto_filled_from_the_flags(tmp_path, capsys, engines):
+def test_hf_shape_trains_with_auto_filled_from_the_flags(tmp_path, capsys, engines, batches):
     cfg = _write(tmp_path / "ds.json", HF_SHAPE)
     assert _run(tmp_path, cfg, "--steps", "3", "--batch", "8", "--lr", "0.01", "--warmup", "2") == 0
     (eng, config), = engines
@@ -66,6 +81,7 @@ def test_hf_shape_trains_with_auto_filled_from_the_flags(tmp_path, capsys, engin
     assert spec.learning_rate == LRSchedule(kind="WarmupDecayLR", warmup_min_lr=0.0, warmup_max_lr=0.01,
                                             warmup_num_steps=2, total_num_steps=3, warmup_type="linear")
     assert config.persistence_threshold == 320 and config.compute_dtype == "float32"
+    assert batches == [8, 8, 8]  # train_batch_size "auto" <- --batch
     # DeepSpeed's engine: update 1 at warmup_min_lr, then the scheduler's iterations 0, 1...
     assert [m["lr"] for m in _metrics(tmp_path)] == pytest.approx([0.0, 0.0, 0.005])
     err = capsys.readouterr().err
@@ -107,7 +123,7 @@ def test_accelerate_yaml_inline_trains_with_its_settings(tmp_path, capsys, engin
     assert "deepspeed_config.zero3_init_flag" in err and "gradient clipping      0.5" in err
 
 
-def test_accelerate_yaml_pointing_to_json_with_a_constant_lr(tmp_path, capsys, engines):
+def test_accelerate_yaml_pointing_to_json_with_a_constant_lr(tmp_path, capsys, engines, batches):
     _write(tmp_path / "ds.json", {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
                                                         "offload_optimizer": {"device": "cpu"},
                                                         "stage3_param_persistence_threshold": 100},
@@ -124,9 +140,10 @@ def test_accelerate_yaml_pointing_to_json_with_a_constant_lr(tmp_path, capsys, e
     assert summary["steps_run"] == 2
     err = capsys.readouterr().err
     assert "batch                  32 per step" in err  # the file's batch, not --batch's default 16
+    assert batches == [32, 32]
 
 
-def test_flags_given_override_the_file(tmp_path, capsys, engines):
+def test_flags_given_override_the_file(tmp_path, capsys, engines, batches):
     cfg = _write(tmp_path / "ds.json", {
         "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"},
                               "stage3_param_persistence_threshold": 100000},
@@ -146,6 +163,7 @@ def test_flags_given_override_the_file(tmp_path, capsys, engines):
     assert all(lay.kind == "persistent" for lay in eng.layouts.values() if lay.size <= 64)
     assert eng.optimizer.state_dtype == "bfloat16"  # the moments as stored
     assert (eng.config.gradient_accumulation_steps, eng.config.nvme_update) == (2, "double_slot")
+    assert batches == [16, 16]  # --batch over the file's train_batch_size 8
     assert config.offload_optimizer.path == str(tmp_path / "swap") and (tmp_path / "swap").is_dir()
     spec = eng.optimizer.spec
     assert spec.clip_norm == 0.25 and spec.weight_decay == 0.0
