@@ -40,7 +40,7 @@ from zinf_jax.config import ZeroConfig
 from zinf_jax.engine.host_budget import buffer_set_bytes
 from zinf_jax.engine.wrap import make_adapter, trainable_paths
 from zinf_jax.estimate_step import StepDigest, simulate, step_io
-from zinf_jax.optim.grads_out import IN_RAM_BELOW
+from zinf_jax.optim.grads_out import IN_RAM_BELOW, ram_bytes
 from zinf_jax.optim.subgroups import PACK_BELOW, PACK_ELEMENTS, pool_geometry, sub_groups
 from zinf_jax.plan.host_memory import HostPlan, HostSizes, plan_host
 from zinf_jax.plan.partition import local_shard_devices, make_mesh, plan_partition
@@ -345,6 +345,9 @@ def estimate_from_sizes(
             out += count * (_on_disk((n,), itemsize, config.aio.chunk_bytes) - n * itemsize)
         return out
     store_pad = pad(c)
+    thr = config.persistence_threshold  # the gradient shards a step keeps in RAM (grads_out), bounded:
+    grad_ram = ram_bytes(sum(4 * t // P if t > thr else 4 * t for t in tensors
+                             if 4 * (-(-t // n_devices) if t > thr else t) < IN_RAM_BELOW))
     chunk = sub_groups(shard, config.sub_group_size)[0]
     a = heads or max(1, h // 64)  # per-layer activations (Korthikanti et al. 2022) + logits, log-softmax, grad
     workspace = (seq * batch * h * (34 + 5 * a * seq / h) * c / 2 + batch * seq * vocab * (c + 8)) / n_devices
@@ -360,9 +363,8 @@ def estimate_from_sizes(
         grad=params * 4 // P, opt=_state_bytes(config) * params // P,
         opt_disk=_state_bytes(config) * params // P + pad(4) + 2 * pad(_moment_bytes(config)),
         opt_io=_state_bytes(config) * params // P,
-        grad_ram=params * 4 // P if shard * 4 < IN_RAM_BELOW else 0,
-        grad_disk=0 if shard * 4 < IN_RAM_BELOW else params * 4 // P + (12 * layers + 3 + untied) * _KEY_METADATA_BYTES,
-        grad_io=0 if shard * 4 < IN_RAM_BELOW else params * 4 // P,
+        grad_ram=grad_ram, grad_disk=params * 4 // P - grad_ram + (12 * layers + 3 + untied) * _KEY_METADATA_BYTES,
+        grad_io=params * 4 // P - grad_ram,
         **_pool(config, [(shard, max(1, (params // P) // max(shard, 1)))]),
         assembly=4 * shard if shard > chunk else 0,
         param_meta=(12 * layers + 3 + untied) * _KEY_METADATA_BYTES, workspace=int(workspace),

@@ -19,7 +19,7 @@ from zinf_jax._internal import native_memory
 from zinf_jax._internal.fmt import human_bytes
 from zinf_jax.config import ZeroConfig
 from zinf_jax.errors import ConfigError
-from zinf_jax.optim.grads_out import IN_RAM_BELOW
+from zinf_jax.optim.grads_out import IN_RAM_BELOW, ram_bytes
 from zinf_jax.optim.subgroups import PACK_BELOW, PACK_ELEMENTS, pool_geometry, sub_groups
 from zinf_jax.plan.host_memory import HostPlan, HostSizes, plan_host
 from zinf_jax.plan.partition import ParamLayout
@@ -65,7 +65,8 @@ def sizes_of(layouts: Mapping[str, ParamLayout], units: Sequence[Collection[str]
         unit_held=held, unit_gathered=gathered, params_on_nvme=where.params.device == "nvme",
         device_is_host=platform == "cpu", buffer_set=buffer_set_bytes(config, grads_out, packs, max(size, 1)),
         sets=max(groups, 1), assembly=4 * max(cut, default=0), optimizer_on_nvme=where.optimizer.device == "nvme",
-        grad_ram=(sum(g for p, g in grad.items() if 4 * numel[p] < IN_RAM_BELOW) if grads_out else sum(grad.values())),
+        grad_ram=(ram_bytes(sum(g for p, g in grad.items() if 4 * numel[p] < IN_RAM_BELOW)) if grads_out
+                  else sum(grad.values())),
         grad_unit=unit_grad if grads_out else 0,
         resident_tiers=(sum(held) if where.params.device == "cpu" else 0)
         + (state if where.optimizer.device == "cpu" else 0))

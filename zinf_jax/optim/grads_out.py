@@ -14,8 +14,10 @@ process does not own), and :meth:`TierGrads.norm_sq` sums them with
 same value as a norm pass over gradients held in RAM, bitwise.
 
 Shards smaller than :data:`IN_RAM_BELOW` stay in host RAM (a file per tiny
-chunk cost more than the whole update; their total is bounded by the small
-parameters: norms, biases, a small model's blocks).
+chunk cost more than the whole update), up to :data:`RAM_BYTES` of them a step;
+the rest go to the tier like larger ones, so what a step holds in RAM does not
+grow with the number of layers (issue 47: a d_model 1024 block's attention
+kernels are 0.5 MiB shards on 8 devices, 16 MiB of RAM a layer).
 
 A shard that receives a second contribution in the same step (a tied
 embedding used by two units, the next micro-batch under gradient accumulation)
@@ -37,13 +39,22 @@ from zinf_jax.optim.kernel import all_finite, sum_squares
 from zinf_jax._internal.futures import done_future
 from zinf_jax.tiers.base import ShardSpec, Tier
 
-__all__ = ["TierGrads", "GRAD"]
+__all__ = ["TierGrads", "GRAD", "IN_RAM_BELOW", "RAM_BYTES", "ram_bytes"]
 
 GRAD = "grad"
 """Key prefix of gradient chunks in the tier."""
 
 IN_RAM_BELOW = 1 << 20
-"""Gradient shards of fewer bytes (float32) are kept in host RAM instead of the tier."""
+"""Gradient shards of fewer bytes (float32) are kept in host RAM instead of the tier (up to :data:`RAM_BYTES`)."""
+
+RAM_BYTES = 64 << 20
+"""The most bytes of small gradient shards a step keeps in host RAM; the rest are written to the tier."""
+
+
+def ram_bytes(small: int) -> int:
+    """Host bytes a step's small gradient shards hold, of ``small`` bytes of them (the host plan's and the
+    estimator's figure; a shard's padding to whole chunks aside)."""
+    return min(small, RAM_BYTES)
 
 
 class TierGrads:
@@ -57,8 +68,9 @@ class TierGrads:
     """
 
     def __init__(self, tier: Tier, geometry: Mapping[str, tuple[int, int, int, int]],
-                 local: Mapping[str, list[int]], owner: Callable[[str, int], bool]):
+                 local: Mapping[str, list[int]], owner: Callable[[str, int], bool], ram_limit: int = RAM_BYTES):
         self.tier, self._geo, self._local, self._owner = tier, dict(geometry), dict(local), owner
+        self._ram_limit, self._ram_bytes = int(ram_limit), 0
         self._sums: dict[tuple[str, int], list[float]] = {}
         self._ram: dict[tuple[str, int], np.ndarray] = {}  # small shards, padded to whole chunks
         self._pending: list[Future] = []
@@ -85,7 +97,9 @@ class TierGrads:
             again = key in self._sums
         if again:  # a second contribution this step: read back, sum, rewrite
             flat = self.read(path, index)[:numel] + flat
-        in_ram = numel * 4 < IN_RAM_BELOW
+        with self._lock:  # small, and within the step's RAM bound (a repeat keeps its place)
+            in_ram = numel * 4 < IN_RAM_BELOW and (
+                key in self._ram or self._ram_bytes + 4 * n * chunk <= self._ram_limit)
         if in_ram:
             padded = np.zeros(n * chunk, np.float32)
             padded[:numel] = flat
@@ -104,6 +118,7 @@ class TierGrads:
             futs.append(self.tier.put(f"{GRAD}/{path}", index * n + c, part))
         with self._lock:
             if in_ram:
+                self._ram_bytes += 0 if key in self._ram else padded.nbytes
                 self._ram[key] = padded
             self._sums[key] = sums
             self._pending = [f for f in self._pending if not f.done()] + futs
@@ -155,4 +170,5 @@ class TierGrads:
             with self._lock:
                 self._sums.clear()
                 self._ram.clear()
+                self._ram_bytes = 0
             self.tier.commit()  # a scratch tier publishes nothing: this only ends its generation
