@@ -37,6 +37,7 @@ from typing import Any
 
 _EXPORTS = {
     "zinf_jax.api": ("Engine", "initialize", "restore"),
+    "zinf_jax.engine.hostcheck": ("HostComputeReport", "check_host_compute", "host_compute_report"),
     "zinf_jax.engine.weights": ("TensorMap", "from_safetensors", "TIED_EMBEDDINGS"),
     "zinf_jax.config": ("AioConfig", "LossScaleConfig", "Offload", "OptimizerConfig", "ZeroConfig"),
     "zinf_jax.errors": ("ZinfError", "ConfigError", "CheckpointError", "ParamMismatchError", "EngineError",
@@ -83,6 +84,7 @@ __all__ = [
     "adam", "adamw",
     "make_mesh", "plan_partition", "format_table",
     "UnitPolicy", "Plan",
+    "check_host_compute", "host_compute_report", "HostComputeReport",
     "ZinfError", "ConfigError", "TierError", "TierDataError", "UnitPolicyError", "ParamMismatchError", "EngineError",
     "CheckpointError", "DistributedError",
 ]

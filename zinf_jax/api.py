@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import flax.linen as nn
 import jax
@@ -184,12 +184,23 @@ class Engine:
             glue = self.store.fetch(self.adapter.glue_paths)
             return self.passes.forward(loss_fn or self.loss_fn, batch, glue, has_aux=True)  # as the loss returns it
 
-    def lower(self, batch: Any) -> jax.stages.Lowered:
-        """The training step's program for ``batch`` (compiled mode), lowered: read its HLO (``.as_text()``),
+    def lower(self, batch: Any, *, program: str = "train", platforms: Sequence[str] | None = None,
+              loss_fn: Callable | None = None) -> jax.stages.Lowered:
+        """A step's program for ``batch`` (compiled mode), lowered: read its HLO (``.as_text()``),
         ``.cost_analysis()``, and ``.compile().memory_analysis()``.
 
-        It is the program ``train_step`` runs for a batch of this signature (forward, backward and the
-        gradients out to the optimizer; a micro-batch's with gradient accumulation); nothing changes.
+        Nothing changes: it is the program the engine runs for a batch of this signature.
+
+        Args:
+          batch: a process-local batch, as for :meth:`train_step`.
+          program: ``"train"``: the program ``train_step`` and ``train_steps`` run (forward, backward and
+            the gradients out to the optimizer; a micro-batch's with gradient accumulation; the update
+            too where it runs in the program); ``"eval"``: the program of :meth:`eval_step`.
+          platforms: lower for other backends, e.g. ``("cuda",)`` or ``("tpu",)``, from this machine
+            (not compilable here): the program as a GPU or TPU would run it. On the CPU backend a move
+            between memory kinds is a no-op; in these lowerings it is a real copy, which
+            :func:`zinf_jax.check_host_compute` reads.
+          loss_fn: with ``program="eval"``, the loss :meth:`eval_step` is given (default: the training loss).
 
         Raises:
           EngineError: the streamed engine runs (``engine.mode == "streamed"``): it has no one program.
@@ -200,12 +211,15 @@ class Engine:
                               "program per unit with I/O between them, not one step program; the compiled engine "
                               "needs params in device or host memory (offload_param 'none' or 'cpu') and "
                               "ZeroConfig(engine='auto' or 'compiled')")
-        k = self.config.gradient_accumulation_steps
         with self.components.model_mesh.running(), model_sharding_explained():
-            part = self.shard_batch(micro_batches(batch, k)[0])
             glue = self.store.fetch(self.adapter.glue_paths)
+            if program == "eval":
+                return self.passes.lower(loss_fn or self.loss_fn, self.shard_batch(batch), glue, has_aux=True,
+                                         program="eval", platforms=platforms)
+            k = self.config.gradient_accumulation_steps
+            part = self.shard_batch(micro_batches(batch, k)[0])
             return self.passes.lower(self.loss_fn, part, glue, has_aux=self.has_aux,
-                                     loss_scale=self.optimizer.loss_scale / k)
+                                     loss_scale=self.optimizer.loss_scale / k, program=program, platforms=platforms)
 
     # --- reading back -----------------------------------------------------------------
     def param_arrays(self) -> dict[str, np.ndarray]:

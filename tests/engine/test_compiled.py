@@ -165,9 +165,9 @@ def test_frozen_params_and_param_loss(tmp_path):
                           optimizer=optax.adam(LR, eps=EPS), trainable=nnx.LoRAParam, param_loss=l2)
     assert eng.mode == "compiled" and all("lora" in p for p in eng.trainable)
     losses = [eng.train_step(data[0])["loss"]]
-    frozen = {p: eng.passes._fetched[p][1] for p in eng.passes.unit_paths if p not in eng.trainable}
+    frozen = {p: eng.passes.args._fetched[p][1] for p in eng.passes.unit_paths if p not in eng.trainable}
     losses += [eng.train_step(b)["loss"] for b in data[1:]]
-    assert frozen and all(eng.passes._fetched[p][1] is a for p, a in frozen.items())  # the base is read once
+    assert frozen and all(eng.passes.args._fetched[p][1] is a for p, a in frozen.items())  # the base is read once
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_params(flat(eng.params()), flat(nnx.state(ref, nnx.Param)))
     eng.close()

@@ -14,7 +14,11 @@ The modules, in data-flow order:
   :mod:`~zinf_jax.engine.streamed` (the hooks: fetch, run, release; backward: fetch, recompute,
   vjp), :mod:`~zinf_jax.engine.tape` (the training pass's reverse walk over the traced loss, calling
   those hooks), :mod:`~zinf_jax.engine.compiled` (the same traced loss as one XLA program
-  per step; :mod:`~zinf_jax.engine.runs` finds the runs of alike unit calls it scans),
+  per step; :mod:`~zinf_jax.engine.runs` finds the runs of alike unit calls it scans,
+  :mod:`~zinf_jax.engine.arguments` hands it the stored shards as arguments, one per path or stacked
+  per run, :mod:`~zinf_jax.engine.staging` moves and gathers them inside it with the gradients formed
+  in device memory, and :mod:`~zinf_jax.engine.hostcheck` reads its GPU or TPU lowering for compute
+  on host-memory values),
   :mod:`~zinf_jax.engine.grads` (gradients reduce-scattered to a sink; freed host pages returned
   after a large unit's call by :mod:`zinf_jax._internal.native_memory`);
 * stepping: :mod:`~zinf_jax.engine.batching` (a batch on the mesh, micro-batches),

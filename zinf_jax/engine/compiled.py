@@ -27,8 +27,6 @@ that its ``memory_analysis`` is at hand (:meth:`CompiledModel.lower`).
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
 import time
 import weakref
 from typing import Any, Callable, Collection, Sequence
@@ -39,23 +37,22 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from zinf_jax.engine.arguments import ProgramArgs, Slots
 from zinf_jax.engine.glue import TraceCache, Traced, unit_out_shapes
 from zinf_jax.engine.grads import GradSink
 from zinf_jax.engine.overlap import WriteGate
-from zinf_jax.engine.programs import GATHERED, gather, model_call
+from zinf_jax.engine.programs import GATHERED, model_call
 from zinf_jax.engine.runs import Run, find_runs
+from zinf_jax.engine.staging import keep_all_but_params, read, staged_read, tap
 from zinf_jax.engine.store import ParamStore
 from zinf_jax.engine.streamed import JIT_MESSAGE
 from zinf_jax.errors import EngineError
 from zinf_jax.optim.fused import FusedAdam
 from zinf_jax.plan.model_mesh import ModelMesh
-from zinf_jax.plan.partition import ParamLayout, assemble_many, from_stored, stacked_layout
+from zinf_jax.plan.partition import ParamLayout, from_stored
 from zinf_jax.plan.units import Plan
 
 __all__ = ["CompiledModel"]
-
-_KEEP_BUT_GATHERED = jax.checkpoint_policies.save_anything_except_these_names(GATHERED)
-
 
 def _floating(dtype: Any) -> bool:
     return bool(jnp.issubdtype(jnp.dtype(dtype), jnp.floating))
@@ -64,21 +61,6 @@ def _floating(dtype: Any) -> bool:
 def _signature(leaves: Sequence[Any]) -> tuple:
     """What selects a compiled program besides the trace: each leaf's type and sharding."""
     return tuple((jax.typeof(x), getattr(x, "sharding", None)) for x in leaves)
-
-
-def _stack_groups(groups: Sequence[Sequence[jax.Array]]) -> list[jax.Array]:
-    return [jnp.stack(g) for g in groups]
-
-
-_stack_on_device = jax.jit(_stack_groups)
-"""Stacks of single-device arrays of one device (the device tier's persistent shards), one program for all."""
-
-
-@functools.lru_cache(maxsize=64)
-def _stacker(shardings: tuple[NamedSharding, ...]) -> Callable:
-    """One jitted program stacking groups of same-layout sharded arrays, group ``k`` into one array of
-    ``shardings[k]`` (the device tier's stacks): one dispatch for all of a step's stale stacks."""
-    return jax.jit(_stack_groups, out_shardings=list(shardings))
 
 
 # [Note: scanned runs]
@@ -96,57 +78,6 @@ def _stacker(shardings: tuple[NamedSharding, ...]) -> Callable:
 # optimization_barrier on the device copies keeps the all-gather after the slice: without it XLA
 # gathers the (1, shard) slice before squeezing it, lays the whole stacked argument out for that
 # gather, and hoists that relayout copy out of the loop (a stack-sized temp).
-
-
-@dataclasses.dataclass(frozen=True)
-class _Slots:
-    """How one traced program takes the parameters: one argument per path, or stacked per scanned run.
-
-    Attributes:
-      runs: the program's scanned runs.
-      stacks: per stacked argument, its paths (one per call of its run, for one parameter position).
-      run_stacks: per run (by start step), its stacked arguments' indices by parameter position.
-      trained: the trained arguments: a path, or a stack index.
-      frozen: the frozen arguments, likewise.
-    """
-
-    runs: tuple[Run, ...]
-    stacks: tuple[tuple[str, ...], ...]
-    run_stacks: dict
-    trained: tuple
-    frozen: tuple
-
-    def values(self, trained: Sequence[Any], frozen: Sequence[Any]) -> tuple[Callable[[str], Any], list[Any]]:
-        """``value(path)`` and the stacked arguments, from the program's parameter arguments."""
-        stacked: list[Any] = [None] * len(self.stacks)
-        single: dict[str, Any] = {}
-        for slot, x in [*zip(self.trained, trained), *zip(self.frozen, frozen)]:
-            if isinstance(slot, str):
-                single[slot] = x
-            else:
-                stacked[slot] = x
-        where = {p: (g, k) for g, paths in enumerate(self.stacks) for k, p in enumerate(paths)}
-
-        def value(path: str) -> Any:
-            if path in single:
-                return single[path]
-            g, k = where[path]
-            return stacked[g][k]
-
-        return value, stacked
-
-
-def _stack_per_device(bufs: list[dict[int, list[jax.Array]]]) -> list[dict[int, jax.Array]]:
-    """``bufs`` (per stack, shard index to the single-device arrays to stack) stacked, one program per device."""
-    by_device: dict[Any, list[tuple[int, int]]] = {}
-    for k, b in enumerate(bufs):
-        for i, xs in b.items():
-            by_device.setdefault(next(iter(xs[0].devices())), []).append((k, i))
-    out: list[dict[int, jax.Array]] = [{} for _ in bufs]
-    for where in by_device.values():
-        for (k, i), x in zip(where, _stack_on_device([bufs[k][i] for k, i in where])):
-            out[k][i] = x
-    return out
 
 
 class CompiledModel:
@@ -200,18 +131,21 @@ class CompiledModel:
         self.plan: Plan | None = None
         self._traces = TraceCache(tuple(self.units))
         self._programs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # GlueProgram -> {key: Compiled}
-        self._slots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # GlueProgram -> _Slots
-        self._stacked: dict[tuple[str, ...], tuple[tuple, jax.Array]] = {}  # stack paths -> (writes, array)
+        self._slots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # GlueProgram -> Slots
         self.peak_device_bytes = 0
-        self.fetch_wait_s = 0.0  # seconds so far reading the param shards into the program's arguments
         self._rep = NamedSharding(self.mesh, P())
-        self._fetched: dict[str, tuple[int, jax.Array]] = {}  # path -> (store writes when read, the array)
+        self.args = ProgramArgs(store, host_params=host_params, paths=paths, gate=self.gate)
 
     # --- the interface the stepper and the checkpoint state use --------------------
     def replace_state(self, state: Any) -> Any:
         """Sets the model's non-parameter state; returns the old one (see ``StreamedModel.replace_state``)."""
         old, self.state = self.state, state
         return old
+
+    @property
+    def fetch_wait_s(self) -> float:
+        """Seconds so far reading the param shards into the program's arguments."""
+        return self.args.fetch_wait_s
 
     def close(self) -> None:
         """Nothing to stop (no prefetch threads)."""
@@ -224,20 +158,17 @@ class CompiledModel:
         self.plan = hit.plan
         return hit
 
-    def _to_device(self, lay: ParamLayout, x: jax.Array) -> jax.Array:
-        """A stored array inside the program, in device memory (a copy from ``pinned_host`` on the cpu tier)."""
-        if self.host_params:
-            x = jax.device_put(x, NamedSharding(self.mesh, lay.spec, memory_kind="device"))
-        return x
+    def _read(self, lay: ParamLayout, x: Any, dtype: Any) -> jax.Array:
+        """A parameter argument read in the program, gathered in ``dtype``: a trained one as its
+        ``(tap, stored)`` pair through :func:`~zinf_jax.engine.staging.staged_read`, a frozen one as stored."""
+        if isinstance(x, tuple):
+            tap_value, stored = x
+            kind = "pinned_host" if jax.typeof(tap_value).memory_space.name == "Host" else "device"
+            return staged_read(lay, self.mesh, str(jnp.dtype(dtype)), self.host_params, kind)(tap_value, stored)
+        return read(lay, x, self.mesh, dtype, self.host_params)
 
-    def _gather(self, layouts: Sequence[ParamLayout], stored: Sequence[jax.Array]) -> list[jax.Array]:
-        out = []
-        placed = jax.lax.optimization_barrier([self._to_device(lay, x) for lay, x in zip(layouts, stored)])
-        for lay, x in zip(layouts, placed):  # the barrier: see [Note: scanned runs]
-            if _floating(x.dtype):
-                x = x.astype(self.compute_dtype)
-            out.append(checkpoint_name(gather(lay, x, self.mesh), GATHERED))
-        return out
+    def _gather(self, layouts: Sequence[ParamLayout], stored: Sequence[Any]) -> list[jax.Array]:
+        return [checkpoint_name(self._read(lay, x, self.compute_dtype), GATHERED) for lay, x in zip(layouts, stored)]
 
     def _unit(self, uid: int, method: str, sig: tuple, train: bool, grad: bool) -> Callable:
         lays = self._layouts[uid]
@@ -250,18 +181,24 @@ class CompiledModel:
             return run
         if self.activation_checkpointing:  # only the unit's inputs (and its shards) are kept
             return jax.checkpoint(run)
-        return jax.checkpoint(run, policy=_KEEP_BUT_GATHERED)
+        return jax.checkpoint(run, policy=keep_all_but_params)  # never the params: [Note: gradient taps]
 
-    def _penalty(self, paths: Sequence[str], values: Sequence[jax.Array]) -> Any:
+    def _penalty(self, paths: Sequence[str], values: Sequence[Any]) -> Any:
+        """The parameter loss over ``paths``: unit parameters read as the units read them (in float32), glue
+        parameters (device arrays) as they are."""
         total = jnp.float32(0)
         for path, x in zip(paths, values):
             lay = self.store.layouts[path]
-            full = from_stored(lay, jax.lax.with_sharding_constraint(self._to_device(lay, x).astype(jnp.float32),
-                                                                     self._rep))
+            if isinstance(x, tuple) or path not in self.adapter.glue_paths:
+                full = self._read(lay, x, jnp.float32)
+                if lay.gathered:
+                    full = jax.lax.with_sharding_constraint(full, self._rep)
+            else:
+                full = from_stored(lay, jax.lax.with_sharding_constraint(x.astype(jnp.float32), self._rep))
             total = total + jnp.asarray(self.param_loss(path, full), jnp.float32)
         return total
 
-    def _slots_of(self, traced: Traced, train: bool) -> _Slots:
+    def _slots_of(self, traced: Traced, train: bool) -> Slots:
         """The program's parameter arguments: its scanned runs' stacks, and one per other path (cached)."""
         hit = self._slots.get(traced.program)
         if hit is not None:
@@ -281,7 +218,7 @@ class CompiledModel:
             run_stacks[run.start] = tuple(range(len(stacks), len(stacks) + len(units[uids[0]].param_paths)))
             stacks += [tuple(units[u].param_paths[j] for u in uids) for j in range(len(units[uids[0]].param_paths))]
         in_stack = {p for paths in stacks for p in paths}
-        hit = self._slots[traced.program] = _Slots(
+        hit = self._slots[traced.program] = Slots(
             runs, tuple(stacks), run_stacks,
             (*[p for p in self._train_paths if p not in in_stack],
              *[g for g, ps in enumerate(stacks) if ps[0] in trained]),
@@ -321,7 +258,7 @@ class CompiledModel:
             result[-1][run.carry[p]] = v
         return result
 
-    def _loss_fn(self, traced: Traced, slots: _Slots, train: bool, grad: bool) -> Callable:
+    def _loss_fn(self, traced: Traced, slots: Slots, train: bool, grad: bool) -> Callable:
         """``(trained, glue, frozen, rest) -> (out, state, batch_state)`` over the stored shards."""
         program, calls, units = traced.program, traced.program.calls, self.units
 
@@ -340,20 +277,45 @@ class CompiledModel:
 
         return loss_of
 
-    def _grad_out(self, slots: _Slots, slot: Any, g: jax.Array) -> jax.Array:
-        """A trained argument's gradient as it leaves the program: float32, reduce-scattered, in its memory."""
-        kind = "pinned_host" if self.grads_on_host else "device"
+    def _tap_kinds(self, traced: Traced, slots: Slots) -> list[str]:
+        """Per trained argument, its tap's memory (see [Note: gradient taps]): ``pinned_host`` where the
+        gradients go to a host optimizer and each of its paths is read once in the step, else ``device``."""
+        if not self.grads_on_host:
+            return ["device"] * len(slots.trained)
+        reads: dict[str, int] = {}
+        for c in traced.program.calls:
+            for p in self.units[c.uid].param_paths:
+                reads[p] = reads.get(p, 0) + (2 if self.param_loss is not None else 1)
+        paths = [[x] if isinstance(x, str) else slots.stacks[x] for x in slots.trained]
+        return ["pinned_host" if all(reads.get(p, 0) <= 1 for p in ps) else "device" for ps in paths]
+
+    def _taps(self, slots: Slots, kinds: Sequence[str]) -> list[jax.Array]:
+        """The trained arguments' taps: float32 placeholders shaped and sharded as their stored shards."""
+        out = []
+        for slot, kind in zip(slots.trained, kinds):
+            lay = self.store.layouts[slot if isinstance(slot, str) else slots.stacks[slot][0]]
+            shape, spec = ((lay.stored_shape, lay.spec) if isinstance(slot, str)
+                           else ((len(slots.stacks[slot]), *lay.stored_shape), P(None, *lay.spec)))
+            out.append(tap(tuple(shape), spec, self.mesh, kind))
+        return out
+
+    def _grad_out(self, slots: Slots, slot: Any, g: jax.Array, kind: str) -> jax.Array:
+        """A trained argument's gradient as it leaves the program (already float32 and reduce-scattered, in its
+        tap's ``kind`` of memory): moved to host memory as the last operation where the optimizer is there."""
+        if not self.grads_on_host or kind == "pinned_host":
+            return g
         lay = self.store.layouts[slot if isinstance(slot, str) else slots.stacks[slot][0]]
         spec = lay.spec if isinstance(slot, str) else P(None, *lay.spec)
-        g = jax.lax.with_sharding_constraint(g.astype(jnp.float32), NamedSharding(self.mesh, spec))
-        return jax.device_put(g, NamedSharding(self.mesh, spec, memory_kind=kind))
+        return jax.device_put(g, NamedSharding(self.mesh, spec, memory_kind="pinned_host"))
 
-    def _train_program(self, traced: Traced, slots: _Slots, has_aux: bool) -> Callable:
+    def _train_program(self, traced: Traced, slots: Slots, has_aux: bool) -> Callable:
         loss_of = self._loss_fn(traced, slots, True, True)
         called = list(dict.fromkeys(c.uid for c in traced.program.calls))
+        kinds = self._tap_kinds(traced, slots)
 
         def step(trained, glue, frozen, rest, scale):
-            def f(t, g):
+            def f(taps, g):  # differentiated by the taps: [Note: gradient taps]
+                t = list(zip(taps, trained))
                 out, new_state, batch_state = loss_of(t, g, frozen, rest)
                 loss, aux = out if has_aux else (out, None)
                 if self.param_loss is not None:  # as the streamed engine: the glue, and each unit called
@@ -364,24 +326,24 @@ class CompiledModel:
                         loss = loss + self._penalty(paths, [value(p) for p in paths])
                 return loss, (aux, new_state, batch_state)
 
-            loss, vjp, (aux, new_state, batch_state) = jax.vjp(f, trained, glue, has_aux=True)
+            loss, vjp, (aux, new_state, batch_state) = jax.vjp(f, self._taps(slots, kinds), glue, has_aux=True)
             if jnp.shape(loss) != ():
                 raise EngineError(f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}; reduce it "
                                   "(e.g. jnp.mean) — nothing was applied")
             g_trained, g_glue = vjp(jnp.full_like(loss, scale))
-            g_trained = [self._grad_out(slots, slot, g) for slot, g in zip(slots.trained, g_trained)]
+            g_trained = [self._grad_out(slots, slot, g, k) for slot, g, k in zip(slots.trained, g_trained, kinds)]
             g_glue = [jax.lax.with_sharding_constraint(g, self._rep) for g in g_glue]  # one copy each (stepping)
             return loss, aux, new_state, batch_state, g_trained, g_glue
 
         return step
 
-    def _fused_paths(self, slots: _Slots) -> tuple[list[list[str]], list[int], list[str]]:
+    def _fused_paths(self, slots: Slots) -> tuple[list[list[str]], list[int], list[str]]:
         """The paths of each trained argument, the trained glue parameters' positions, and all those paths."""
         per_slot = [[x] if isinstance(x, str) else list(slots.stacks[x]) for x in slots.trained]
         glue = [j for j, p in enumerate(self.adapter.glue_paths) if p in self.fused.layouts]
         return per_slot, glue, [p for ps in per_slot for p in ps] + [self.adapter.glue_paths[j] for j in glue]
 
-    def _fused_program(self, traced: Traced, slots: _Slots, has_aux: bool) -> Callable:
+    def _fused_program(self, traced: Traced, slots: Slots, has_aux: bool) -> Callable:
         """The train program with the optimizer step in it (see :mod:`zinf_jax.optim.fused`)."""
         step = self._train_program(traced, slots, has_aux)
         per_slot, glue_trained, paths = self._fused_paths(slots)
@@ -426,11 +388,7 @@ class CompiledModel:
         loss, aux, new_state, batch_state, new_slots, new_params, new_states, norm, finite = prog(*full)
         del args, full
         self.store.adopt(paths, new_params)  # the tier's new values, and the next step's arguments as they are
-        for slot, x in zip(slots.trained, new_slots):
-            if isinstance(slot, str):
-                self._fetched[slot] = (self.store.writes(slot), x)
-            else:
-                self._stacked[slots.stacks[slot]] = (tuple(self.store.writes(p) for p in slots.stacks[slot]), x)
+        self.args.adopt(slots, new_slots)
         self.fused.adopt(paths, new_states)
         norm, finite = jax.device_get((norm, finite))
         self.fused.applied(float(norm), bool(finite), float(scalars[0]), time.perf_counter() - t0)
@@ -438,8 +396,15 @@ class CompiledModel:
         self.adapter.update_batch(batch, batch_state)
         return loss, aux, []
 
-    def _compiled(self, traced: Traced, kind: tuple, make: Callable, args: tuple) -> Any:
-        """The program of ``traced`` (``kind``: train/eval variant) compiled for ``args``, built once."""
+    def _compiled(self, traced: Traced, kind: tuple, make: Callable, args: tuple,
+                  platforms: Sequence[str] | None = None) -> Any:
+        """The program of ``traced`` (``kind``: train/eval variant) compiled for ``args``, built once.
+
+        With ``platforms`` (e.g. ``("cuda",)``), the program lowered for those backends instead, not
+        compiled nor kept: ``(lowered, None)`` (see :meth:`lower`).
+        """
+        if platforms is not None:
+            return jax.jit(make()).trace(*args).lower(lowering_platforms=tuple(platforms)), None
         progs = self._programs.setdefault(traced.program, {})
         key = (kind, _signature(jax.tree.leaves(args[1:])))
         hit = progs.get(key)
@@ -457,70 +422,6 @@ class CompiledModel:
             - stats.alias_size_in_bytes
         self.peak_device_bytes = max(self.peak_device_bytes, int(per_device) * len(self.mesh.local_devices))
 
-    def _params(self, slots: _Slots) -> tuple[list[jax.Array], list[jax.Array]]:
-        """The program's parameter arguments (trained, frozen; see :class:`_Slots`), after any optimizer write.
-
-        A parameter the store has not written since it was last read (a frozen one, or all of them
-        between evaluations) is not read again, nor a stack none of whose paths was written.
-        """
-        self.gate.wait(self.unit_paths)  # See [Note: write gate]
-        kind = "pinned_host" if self.host_params else None
-        t0 = time.perf_counter()
-        stacked_paths = {p for paths in slots.stacks for p in paths if self._raw_stack(p)}
-        stale = [p for p in self.unit_paths
-                 if p not in stacked_paths and self._fetched.get(p, (-1,))[0] != self.store.writes(p)]
-        for p, arr in zip(stale, self.store.fetch(stale, memory_kind=kind) if stale else []):
-            self._fetched[p] = (self.store.writes(p), arr)
-        self._restack(slots.stacks)
-        stacked = [self._stacked[paths][1] for paths in slots.stacks]
-        self.fetch_wait_s += time.perf_counter() - t0
-
-        def arg(slot: Any) -> jax.Array:
-            return self._fetched[slot][1] if isinstance(slot, str) else stacked[slot]
-
-        return [arg(x) for x in slots.trained], [arg(x) for x in slots.frozen]
-
-    def _raw_stack(self, path: str) -> bool:
-        """A stack of ``path``'s layout is built from the tier's shards, not from fetched arrays."""
-        return self.host_params or self.store.layouts[path].dim is None
-
-    def _restack(self, stacks: Sequence[tuple[str, ...]]) -> None:
-        """Rebuilds the stacks (each: the stored shards of ``paths``, one layout, along a new first axis, in
-        their tier's memory) of which the store wrote a path since they were built.
-
-        Stacks built from the tier's shards (the cpu tier's host shards; a persistent parameter's one
-        shard) are stacked per shard index (numpy on the host) and placed by one batched put for all of
-        them; the device tier's sharded ones by one jitted stack of the fetched arrays each.
-        """
-        stale = []
-        for paths in stacks:
-            writes = tuple(self.store.writes(p) for p in paths)
-            hit = self._stacked.get(paths)
-            if hit is None or hit[0] != writes:
-                stale.append((paths, writes))
-        raw = [(paths, w) for paths, w in stale if self._raw_stack(paths[0])]
-        if raw:
-            shards = self.store.read_shards([p for paths, _ in raw for p in paths])
-            lays, bufs, at = [], [], 0
-            for paths, _ in raw:
-                mine, at = shards[at:at + len(paths)], at + len(paths)
-                lays.append(stacked_layout(self.store.layouts[paths[0]], len(paths)))
-                bufs.append({i: [s[i] for s in mine] for i in mine[0]})
-            if self.host_params:
-                bufs = [{i: np.stack([np.asarray(x) for x in xs]) for i, xs in b.items()} for b in bufs]
-            else:  # device arrays: one program per device for all of them (a dispatch each costs as much)
-                bufs = _stack_per_device(bufs)
-            kind = "pinned_host" if self.host_params else None
-            for (paths, writes), out in zip(raw, assemble_many(lays, self.mesh, bufs, memory_kind=kind)):
-                self._stacked[paths] = (writes, out)
-        rest = [(paths, writes) for paths, writes in stale if not self._raw_stack(paths[0])]
-        if rest:
-            shardings = tuple(NamedSharding(self.mesh, P(None, *self.store.layouts[paths[0]].spec))
-                              for paths, _ in rest)
-            outs = _stacker(shardings)([[self._fetched[p][1] for p in paths] for paths, _ in rest])
-            for (paths, writes), out in zip(rest, outs):
-                self._stacked[paths] = (writes, out)
-
     # --- passes ---------------------------------------------------------------------------
     def _check_eager(self, batch: Any, glue: Sequence[jax.Array]) -> None:
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((batch, list(glue)))):
@@ -530,20 +431,39 @@ class CompiledModel:
         self._check_eager(batch, glue)
         traced = self._traced(loss_fn, batch, glue, True)
         slots = self._slots_of(traced, True)
-        trained, frozen = self._params(slots)
+        trained, frozen = self.args(slots)
         rest = traced.args[len(glue):]
         return traced, slots, (trained, list(glue), frozen, rest, np.float32(loss_scale))
 
     def lower(self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array], *, has_aux: bool,
-              loss_scale: float = 1.0) -> jax.stages.Lowered:
-        """The training step's program for ``batch`` (forward, backward, gradients out; with :attr:`fused`, the
-        optimizer step too), lowered."""
+              loss_scale: float = 1.0, program: str = "train",
+              platforms: Sequence[str] | None = None) -> jax.stages.Lowered:
+        """A step's program for ``batch``, lowered.
+
+        Args:
+          program: ``"train"``: forward, backward, gradients out (with :attr:`fused`, the optimizer step
+            too); ``"eval"``: the forward of ``eval_step``.
+          platforms: lower for these backends (``("cuda",)``, ``("tpu",)``) instead of the mesh's own,
+            from this machine: the program as it would run there (moves between memory kinds are
+            no-ops on the CPU backend, not in a GPU or TPU lowering). Not compiled.
+        """
+        if program == "eval":
+            self._check_eager(batch, glue)
+            traced = self._traced(loss_fn, batch, glue, False)
+            slots = self._slots_of(traced, False)
+            trained, frozen = self.args(slots)
+            args = (trained, list(glue), frozen, traced.args[len(glue):])
+            return self._compiled(traced, ("eval", False), lambda: self._loss_fn(traced, slots, False, False), args,
+                                  platforms)[0]
+        if program != "train":
+            raise EngineError(f"lower(program=...) takes 'train' or 'eval', got {program!r}")
         traced, slots, args = self._train_args(loss_fn, batch, glue, loss_scale)
         if self.fused is not None:  # the program train_step runs: the optimizer step in it
             full = (*args, self.fused.states(self._fused_paths(slots)[2]), self.fused.scalars())
             return self._compiled(traced, ("fused", has_aux), lambda: self._fused_program(traced, slots, has_aux),
-                                  full)[0]
-        return self._compiled(traced, ("train", has_aux), lambda: self._train_program(traced, slots, has_aux), args)[0]
+                                  full, platforms)[0]
+        return self._compiled(traced, ("train", has_aux), lambda: self._train_program(traced, slots, has_aux), args,
+                              platforms)[0]
 
     def forward_backward(
         self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array], *, has_aux: bool, loss_scale: float = 1.0,
@@ -579,7 +499,7 @@ class CompiledModel:
         self._check_eager(batch, glue)
         traced = self._traced(loss_fn, batch, glue, train)
         slots = self._slots_of(traced, train)
-        trained, frozen = self._params(slots)
+        trained, frozen = self.args(slots)
         args = (trained, list(glue), frozen, traced.args[len(glue):])
         _, prog = self._compiled(traced, ("eval", train), lambda: self._loss_fn(traced, slots, train, False), args)
         out, new_state, batch_state = prog(*args)
