@@ -42,11 +42,16 @@ def choose_optimizer(optimizer: Any, config: ZeroConfig) -> Any:
 
 
 def with_clipping(optimizer: Any, clip: float) -> Any:
-    """``optimizer`` clipping gradients to the global norm ``clip`` (0: unchanged).
+    """``optimizer`` clipping gradients to the global norm ``clip`` (0: unchanged); an ``optax.MultiSteps`` as
+    its ``gradient_transformation()``.
 
     Raises:
       ConfigError: the optimizer clips at another norm already.
     """
+    if not isinstance(optimizer, AdamSpec) and type(optimizer).__name__ == "MultiSteps":
+        from zinf_jax.optim.optax_rule import as_transform
+
+        optimizer = as_transform(optimizer)  # an optax.MultiSteps as its GradientTransformation
     if not clip:
         return optimizer
     if isinstance(optimizer, AdamSpec):
@@ -56,9 +61,8 @@ def with_clipping(optimizer: Any, clip: float) -> Any:
     else:
         import optax
 
-        from zinf_jax.optim.optax_rule import as_transform, leading_global_clip
+        from zinf_jax.optim.optax_rule import leading_global_clip
 
-        optimizer = as_transform(optimizer)  # an optax.MultiSteps as its GradientTransformation
         have = leading_global_clip(optimizer)
         if have is None:
             return optax.chain(optax.clip_by_global_norm(float(clip)), optimizer)

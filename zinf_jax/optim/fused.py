@@ -1,4 +1,4 @@
-"""Adam(W) inside the compiled step, for optimizer state kept in device memory.
+"""Adam(W), or any optax transform, inside the compiled step, for optimizer state kept in device memory.
 
 With ``offload_optimizer="none"`` the fp32 master and the moments live in device memory (the
 device tier). Streaming them through the host each step (read a sub-group, update it on the CPU,
@@ -20,7 +20,8 @@ The arithmetic is the fused kernel's (:func:`~zinf_jax.optim.adam.adam_math`, th
 and learning rate computed on the host as for the kernel); the global norm is summed in float32 in
 the program (the host sums in float64), so a clipped step can differ from the streamed one in the
 last bits of the multiplier. A non-finite gradient skips the step (every state and param unchanged)
-as in the streamed step.
+as in the streamed step. With an optax transform the program runs the transform instead
+(:mod:`~zinf_jax.optim.fused_optax`).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zinf_jax.optim.adam import AdamSpec, adam_math, bias_correction
 from zinf_jax.optim.driver import StreamedOptimizer
+from zinf_jax.optim.fused_optax import from_flat, optax_update, small_leaves, to_flat, whole_shape
 from zinf_jax.optim.kernel import AdamCoefficients
 from zinf_jax.optim.scaling import update_loss_scale
 from zinf_jax.plan.partition import ParamLayout, local_positions
@@ -47,8 +49,10 @@ def fused_refusal(spec: Any, *, compiled: bool, param_tier: str, opt_tier: str, 
         return "the streamed engine runs the step"
     if (param_tier, opt_tier) != ("none", "none"):
         return f"params on {param_tier!r} and optimizer on {opt_tier!r} (both must be in device memory)"
-    if not isinstance(spec, AdamSpec):
-        return "an optax optimizer (its update runs per sub-group)"
+    import optax
+
+    if not isinstance(spec, (AdamSpec, optax.GradientTransformation)):
+        return f"the optimizer {type(spec).__name__} (not zinf's Adam or an optax GradientTransformation)"
     if accumulation != 1:
         return "gradient accumulation"
     if loss_scaling:
@@ -60,24 +64,6 @@ def fused_refusal(spec: Any, *, compiled: bool, param_tier: str, opt_tier: str, 
     if largest_shard > sub_group_size:
         return f"sub_group_size {sub_group_size} cuts a shard of {largest_shard} elements"
     return None
-
-
-def to_flat(lay: ParamLayout, x: jax.Array) -> jax.Array:
-    """A stored-form array as the optimizer's flat form: shard ``i``'s elements, row-major, at ``i * numel``."""
-    if lay.dim is None or lay.kind == "flat":
-        return x.reshape(-1)
-    s, d, n = lay.stored_shape, lay.dim, lay.num_shards
-    x = x.reshape(*s[:d], n, s[d] // n, *s[d + 1:])
-    return jnp.moveaxis(x, d, 0).reshape(-1)
-
-
-def from_flat(lay: ParamLayout, x: jax.Array) -> jax.Array:
-    """Inverse of :func:`to_flat`."""
-    if lay.dim is None or lay.kind == "flat":
-        return x.reshape(lay.stored_shape)
-    s, d, n = lay.stored_shape, lay.dim, lay.num_shards
-    x = x.reshape(n, *lay.shard_shape)
-    return jnp.moveaxis(x, 0, d).reshape(s)
 
 
 class FusedAdam(StreamedOptimizer):
@@ -100,6 +86,10 @@ class FusedAdam(StreamedOptimizer):
         self._cache: dict[str, tuple[tuple[int, ...], jax.Array]] = {}  # state key -> (tier objects' ids, array)
         self._pending: dict[str, Any] | None = None  # the metrics of a step the program applied
         self._adopted = -1  # the tier's version after the last adopt
+        self._optax = not isinstance(self.spec, AdamSpec)  # See zinf_jax.optim.fused_optax
+        self._shapes = {p: whole_shape(self.rule, p, lay) for p, lay in self.layouts.items()} if self._optax else {}
+        self._small: dict[str, tuple[tuple[int, ...], list[jax.Array]]] = {}  # path -> (host leaves' ids, on device)
+        self._new_small: dict[str, list[jax.Array]] = {}  # the last program's small leaves, until applied
 
     # --- the state as the program takes it -------------------------------------------
     def _flat_sharding(self, path: str) -> NamedSharding:
@@ -109,7 +99,8 @@ class FusedAdam(StreamedOptimizer):
     def states(self, paths: Sequence[str]) -> list[list[jax.Array]]:
         """Per path, its master and the rule's states as global flat arrays (see module doc)."""
         if self.tier.version == self._adopted:  # nothing else wrote the tier since the last step's states
-            return [[self._cache[f"{name}/{path}"][1] for name in self._names[path]] for path in paths]
+            return [[self._cache[f"{name}/{path}"][1] for name in self._names[path]]
+                    + (self._small_on_device(path) if self._optax else []) for path in paths]
         out = []
         for path in paths:
             row = []
@@ -120,8 +111,17 @@ class FusedAdam(StreamedOptimizer):
                 if hit is None or hit[0] != tuple(map(id, objs)):
                     hit = self._cache[key] = (tuple(map(id, objs)), self._assemble(path, objs))
                 row.append(hit[1])
-            out.append(row)
+            out.append(row + self._small_on_device(path) if self._optax else row)
         return out
+
+    def _small_on_device(self, path: str) -> list[jax.Array]:
+        """``path``'s scalar and other-shaped optax state leaves, replicated (uploaded when the rule's changed)."""
+        host = small_leaves(self.rule, path)
+        hit = self._small.get(path)
+        if hit is None or hit[0] != tuple(map(id, host)):
+            rep = NamedSharding(self.mesh, P())
+            hit = self._small[path] = (tuple(map(id, host)), [jax.device_put(np.asarray(x), rep) for x in host])
+        return hit[1]
 
     def _assemble(self, path: str, shards: Sequence[Any]) -> jax.Array:
         """The global flat array of a state from the tier's shards (a copy: only when the tier was written else)."""
@@ -137,12 +137,17 @@ class FusedAdam(StreamedOptimizer):
                 objs = [arr.addressable_data(pos[i]) for i in self._local[path]]
                 items += [(f"{name}/{path}", i, x) for i, x in zip(self._local[path], objs)]
                 self._cache[f"{name}/{path}"] = (tuple(map(id, objs)), arr)
+            if self._optax:
+                self._new_small[path] = list(row[len(self._names[path]):])
         self.tier.put_arrays(items)
         self._adopted = self.tier.version
 
     # --- the step's arithmetic, traced inside the compiled program -------------------------
-    def scalars(self) -> tuple[np.float32, np.float32, np.float32]:
-        """This step's learning rate and bias corrections, as the kernel computes them (program arguments)."""
+    def scalars(self) -> tuple[np.float32, ...]:
+        """This step's learning rate and bias corrections, as the kernel computes them (program arguments; an
+        optax transform: a placeholder learning rate, its schedule is in its state)."""
+        if self._optax:
+            return (np.float32(0),)
         sp, t = self.spec, self._count + 1
         return np.float32(self.rule.lr_at(self._count)), bias_correction(sp.b1, t), bias_correction(sp.b2, t)
 
@@ -150,6 +155,9 @@ class FusedAdam(StreamedOptimizer):
                scalars: Sequence[jax.Array]) -> tuple[list[jax.Array], list[list[jax.Array]], jax.Array, jax.Array]:
         """One step inside the program: stored-form float32 gradients in; new stored-form float32 masters, new
         flat states, the global norm and whether it was finite out (not finite: everything as it was)."""
+        if self._optax:
+            return optax_update(self.rule.tx, self.rule.clip_norm, self.layouts, self._shapes, paths, grads, states,
+                                {p: len(self._names[p]) for p in paths})
         sp = self.spec
         lr, bc1, bc2 = scalars
         flat_g = [to_flat(self.layouts[p], g.astype(jnp.float32)) for p, g in zip(paths, grads)]
@@ -178,14 +186,23 @@ class FusedAdam(StreamedOptimizer):
 
     def applied(self, norm: float, finite: bool, lr: float, seconds: float) -> None:
         """Records a step the program took (counters now; :meth:`step` reports it)."""
+        on_device, self._new_small = self._new_small, {}
+        if self._optax:  # the rule's small leaves as the program left them (kept if the step is applied)
+            for path, new in jax.device_get(on_device).items():
+                n = len(self.rule._scalars.get(path, []))
+                self.rule._pending[path] = [np.asarray(x) for x in new[:n]]
+                if path in self.rule._odd:
+                    self.rule._pending_odd[path] = [np.asarray(x) for x in new[n:]]
         self._scaler = update_loss_scale(self._scaler, not finite, **self._ls)
         if finite:
             self._count += 1
         self._skipped += not finite
         self.rule.end_step(applied=finite)
+        for path, arrays in (on_device.items() if finite else ()):  # the next step's inputs as they are
+            self._small[path] = (tuple(map(id, small_leaves(self.rule, path))), arrays)
         self.last_stats = {"in_program": 1.0, "total_s": seconds}
-        self._pending = {"grad_norm": float(norm), "skipped": not finite,
-                         "loss_scale": self.loss_scale, "step": self._count, "lr": float(lr)}
+        self._pending = {"grad_norm": float(norm), "skipped": not finite, "loss_scale": self.loss_scale,
+                         "step": self._count, "lr": None if self._optax else float(lr)}
 
     def step(self, grad: Callable, write_param: Callable, on_written: Callable[[str], None] | None = None,
              write_params: Callable | None = None) -> dict:
