@@ -120,3 +120,44 @@ def test_old_style_read_is_flagged_on_the_engine_path():
     np.testing.assert_allclose(  # and it is the same gradient (run on the CPU mesh)
         jax.jit(tapped)(jnp.ones(lay.stored_shape), jnp.ones((8, 32))),
         jax.jit(jax.grad(loss))(jnp.ones(lay.stored_shape), jnp.ones((8, 32))), rtol=1e-6)
+
+
+def test_gpu_compile_options_are_set_and_xla_flags_win(monkeypatch):
+    from zinf_jax.engine.compiled import GPU_COMPILER_OPTIONS, compiler_options
+
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    assert compiler_options("cpu") == {} and compiler_options("tpu") == {}
+    assert compiler_options("gpu") == GPU_COMPILER_OPTIONS == {
+        "xla_gpu_enable_latency_hiding_scheduler": True, "xla_gpu_enable_while_loop_double_buffering": True}
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_while_loop_double_buffering=false")
+    assert compiler_options("cuda") == {"xla_gpu_enable_latency_hiding_scheduler": True}
+    # each is an option this XLA knows (an unknown one is an error at compile)
+    jax.jit(lambda x: x + 1).lower(jnp.ones(2)).compile(compiler_options=GPU_COMPILER_OPTIONS)
+
+
+def _bench_device(tmp_path, *flags, timeout=600):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_device.py"
+    proc = subprocess.run([sys.executable, str(script), "--small", "--out", str(tmp_path), *flags],
+                          capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
+    return proc, json.loads((tmp_path / "summary.json").read_text())
+
+
+def test_bench_device_keeps_the_summary_when_a_runner_hangs(tmp_path):
+    proc, summary = _bench_device(tmp_path, "--runners", "transfers", "--runner-timeout", "0.2", timeout=120)
+    assert proc.returncode == 1 and summary["runners"] == {"transfers": "timeout after 0s"}
+    assert "=== transfers: timeout" in (tmp_path / "log.txt").read_text()
+
+
+@pytest.mark.slow
+def test_bench_device_small_runs_and_checks_losses_against_plain_jax(tmp_path):
+    proc, summary = _bench_device(tmp_path, "--runners", "transfers,plain,compiled,compiled_device")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert set(summary["runners"].values()) == {"ok"}
+    assert all(c["ok"] for c in summary["loss_check"].values()) and len(summary["loss_check"]) == 2
+    assert summary["offload_program_ratio"] > 0 and (tmp_path / "trace_compiled.json.gz").stat().st_size > 0
+    assert summary["transfers"]["pinned_to_device_in_program_gbps"] > 0

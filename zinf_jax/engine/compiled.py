@@ -27,6 +27,7 @@ that its ``memory_analysis`` is at hand (:meth:`CompiledModel.lower`).
 """
 from __future__ import annotations
 
+import os
 import time
 import weakref
 from typing import Any, Callable, Collection, Sequence
@@ -52,7 +53,24 @@ from zinf_jax.plan.model_mesh import ModelMesh
 from zinf_jax.plan.partition import ParamLayout, from_stored
 from zinf_jax.plan.units import Plan
 
-__all__ = ["CompiledModel"]
+__all__ = ["CompiledModel", "GPU_COMPILER_OPTIONS", "compiler_options"]
+
+GPU_COMPILER_OPTIONS = {
+    "xla_gpu_enable_latency_hiding_scheduler": True,
+    "xla_gpu_enable_while_loop_double_buffering": True,
+}
+"""XLA options the compiled engine sets when it compiles a step for a GPU: the latency-hiding scheduler
+starts each unit's host-to-device move and all-gather ahead of the compute that needs them, and
+while-loop double buffering unrolls a scanned run by two so that the next layer's moves overlap this
+layer's compute. A flag given in ``XLA_FLAGS`` wins over the value here."""
+
+
+def compiler_options(platform: str) -> dict[str, bool]:
+    """The options :class:`CompiledModel` compiles with on ``platform`` (``XLA_FLAGS`` settings left out)."""
+    if platform not in ("gpu", "cuda", "rocm"):
+        return {}
+    given = os.environ.get("XLA_FLAGS", "")
+    return {k: v for k, v in GPU_COMPILER_OPTIONS.items() if f"--{k}" not in given}
 
 def _floating(dtype: Any) -> bool:
     return bool(jnp.issubdtype(jnp.dtype(dtype), jnp.floating))
@@ -410,7 +428,8 @@ class CompiledModel:
         hit = progs.get(key)
         if hit is None:
             lowered = jax.jit(make()).lower(*args)
-            hit = progs[key] = (lowered, lowered.compile())
+            options = compiler_options(self.mesh.devices.flat[0].platform)
+            hit = progs[key] = (lowered, lowered.compile(compiler_options=options or None))
             self._note_memory(hit[1])
         return hit
 
