@@ -157,6 +157,7 @@ def main() -> None:
             if not args.no_overlap and hasattr(e, "train_steps"):
                 engines[t + "+overlap"] = e = build_zinf(cfg, mesh, t, root / "overlap", args.seed, ck, args.threshold)
                 runners[t + "+overlap"] = lambda bs, e=e: [m["loss"] for m in e.train_steps(bs)]
+        copies0 = {k: _host_copies(e) for k, e in engines.items()}
         losses: dict[str, list[float]] = {k: [] for k in runners}
         times: dict[str, list[float]] = {k: [] for k in runners}
         for r in range(args.warmup + args.reps):
@@ -170,6 +171,8 @@ def main() -> None:
             if r >= args.warmup:
                 print(f"rep {r - args.warmup}: " + "  ".join(f"{k} {v[-1] * 1e3:.1f}ms" for k, v in times.items()),
                       flush=True)
+        steps = (args.warmup + args.reps) * n
+        copies = {k: (_host_copies(e) - copies0[k]) / steps for k, e in engines.items()}
     finally:
         for e in engines.values():
             e.close()
@@ -187,13 +190,25 @@ def main() -> None:
         "commit": _commit(), "zinf_jax": str(Path(zinf.__file__).parent),
         "times_s": times, "median_s": med, "ratio_median_of_per_rep": ratios,
         "tokens_per_s_median": {k: args.batch * args.seq / v for k, v in med.items()},
+        "param_bytes": n_params * 4,
+        "host_param_bytes_copied_per_step": copies,
+        "host_param_passes_per_step": {k: v / (n_params * 4) for k, v in copies.items()},
         "max_abs_loss_diff_vs_plain": {k: max(abs(a - b) for a, b in zip(v, losses["plain"]))
                                        for k, v in losses.items() if k != "plain"},
     }
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(res, indent=1))
-    print(json.dumps({"median_s": med, "ratio": ratios}, indent=1))
+    print(json.dumps({"median_s": med, "ratio": ratios, "host_param_passes_per_step": res["host_param_passes_per_step"]},
+                     indent=1))
     print(f"wrote {out_path}")
+
+
+def _host_copies(engine) -> int:
+    """Bytes copied on the host so far for the parameters: the param tier's puts (the optimizer's new values)
+    and the compiled engine's restacking of scanned runs' host shards (0 where a version lacks the counters)."""
+    tier = getattr(engine.store, "tier", None)
+    args = getattr(engine.passes, "args", None)
+    return getattr(tier, "copied_bytes", 0) + getattr(args, "host_copy_bytes", 0)
 
 
 def _commit() -> str:

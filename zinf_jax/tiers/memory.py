@@ -26,6 +26,14 @@ from zinf_jax.tiers.keys import KeyRegistry
 
 __all__ = ["DeviceTier", "CpuTier"]
 
+# [Note: one copy per put]
+# A put of a numpy shard makes one copy, into the tier's own array: the caller (the optimizer) reuses its
+# buffers, so the tier may not keep them. To a GPU's or TPU's pinned host memory jax.device_put is that
+# copy (a pageable numpy buffer cannot be pinned memory). On the CPU backend device_put may alias the numpy
+# buffer (may_alias=False does not stop it for host memory kinds), so there the tier copies into a fresh
+# array first and the put aliases it: one copy on every backend (_own).
+# MemoryTier.copied_bytes counts these copies (see scripts/bench_step.py's host-copy count).
+
 
 INLINE_BYTES = 1 << 18
 """Transfers smaller than this run in the caller's thread (a completed future), not on the pool."""
@@ -35,8 +43,19 @@ def _nbytes(value: Any) -> int:
     return math.prod(value.shape) * np.dtype(value.dtype).itemsize
 
 
+def _own(value: Any, dtype: Any, device: jax.Device) -> np.ndarray:
+    """``value`` as the source of a put to ``device`` that copies it once (see [Note: one copy per put])."""
+    if device.platform == "cpu":
+        return np.array(value, dtype=dtype, copy=True)
+    return np.asarray(value, dtype=dtype)
+
+
 class _MemoryTier:
     """Shared bookkeeping of the device and cpu tiers (not public)."""
+
+    def _copied(self, value: Any) -> None:
+        with self._count_lock:
+            self.copied_bytes += _nbytes(value)
 
     kind = "memory"
 
@@ -49,6 +68,8 @@ class _MemoryTier:
         self._meta: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix=f"zinf-{self.kind}")
+        self.copied_bytes = 0  # bytes copied from callers' host buffers by puts (see [Note: one copy per put])
+        self._count_lock = threading.Lock()
         self._futures: set[Future] = set()
         self._version = 0  # puts so far (see :attr:`version`)
 
@@ -155,10 +176,11 @@ class _MemoryTier:
                     self._set(key, index, self._place(index, value, spec, self._data.get((key, index))))
                 self._version += 1
             return [done_future()]
-        # copies: on CPU, device_put may alias a numpy buffer, which the caller may reuse
-        hosts = [np.array(value, dtype=_np(spec.dtype), copy=True) for (_, _, value), spec in zip(items, specs)]
+        hosts = [_own(value, _np(spec.dtype), self._placement(index)) for (_, index, value), spec in zip(items, specs)]
         targets = [jax.sharding.SingleDeviceSharding(self._placement(index), memory_kind=kind) for _, index, _ in items]
-        arrays = jax.device_put(hosts, targets) if hosts else []
+        arrays = jax.device_put(hosts, targets) if hosts else []  # one copy each: [Note: one copy per put]
+        for h in hosts:
+            self._copied(h)
         jax.block_until_ready(arrays)
         self.put_arrays([(key, index, arr) for (key, index, _), arr in zip(items, arrays)])
         return [done_future()]
@@ -291,9 +313,8 @@ class DeviceTier(_MemoryTier):
         if isinstance(value, jax.Array) and value.sharding.memory_kind in (None, "device"):
             return value.astype(spec.dtype) if value.dtype != spec.dtype else value
         dev = self._placement(index)
-        # a copy: on CPU, device_put may alias the numpy buffer, which the caller may reuse
-        arr = jax.device_put(np.array(value, dtype=_np(spec.dtype), copy=True), dev)
-        return arr.block_until_ready()
+        self._copied(value)  # See [Note: one copy per put]
+        return jax.device_put(_own(value, _np(spec.dtype), dev), dev).block_until_ready()
 
 
 class CpuTier(_MemoryTier):
@@ -328,12 +349,15 @@ class CpuTier(_MemoryTier):
 
     def _place(self, index: int, value: Any, spec: ShardSpec, old: Any) -> Any:
         if self.memory == "numpy":
+            self._copied(value)
             if isinstance(old, np.ndarray):  # in place: the state is held once
                 np.copyto(old, np.asarray(value), casting="unsafe")
                 return old
             return np.array(value, dtype=_np(spec.dtype), copy=True)
         dev = self._placement(index)
         sharding = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
-        src = value if isinstance(value, jax.Array) else np.array(value, dtype=_np(spec.dtype), copy=True)
-        return jax.device_put(src, sharding).block_until_ready()
+        if isinstance(value, jax.Array):  # immutable: moved (a copy only between memories)
+            return jax.device_put(value, sharding).block_until_ready()
+        self._copied(value)  # See [Note: one copy per put]
+        return jax.device_put(_own(value, _np(spec.dtype), dev), sharding).block_until_ready()
 
