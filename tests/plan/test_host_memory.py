@@ -84,3 +84,21 @@ def test_the_engine_and_the_estimator_plan_the_same_buffers(tmp_path):
     same = [k for k in got.items if k not in ("runtime", "trim_slack")]  # measured vs assumed; the slack follows
     assert {k: got.items[k] for k in same} == {k: est.items[k] for k in same}
     assert (got.prefetch_depth, got.buffer_count) == (est.prefetch_depth, est.buffer_count)
+
+
+def test_the_host_plan_does_not_grow_with_depth():
+    # the items a deeper model of the same width holds the same: the gradient shards kept in RAM are bounded
+    # (grads_out.RAM_BYTES); only the step's saved activations grow, one unit input a layer
+    from zinf_jax.estimate import estimate_from_sizes
+
+    nvme = zinf.Offload("nvme", path="/unused")
+    config = zinf.ZeroConfig(offload_param=nvme, offload_optimizer=nvme, compute_dtype="float32",
+                             host_memory_limit="4GiB")
+
+    def est(layers):
+        return estimate_from_sizes(None, layers, 1024, 256, 16, 8, n_devices=8, heads=16, config=config,
+                                   platform="cpu", configurations=[("nvme", "nvme")])[0]
+
+    small, large = est(32), est(128)
+    assert large.host_plan.total == small.host_plan.total
+    assert large.step_host_bytes - small.step_host_bytes == 96 * 8 * 16 * 1024 * 4  # 96 more unit inputs
