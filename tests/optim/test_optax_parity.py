@@ -135,3 +135,20 @@ def test_checkpoint_mid_run_restores_on_another_mesh(tmp_path, name):
             np.testing.assert_allclose(got[path], r, rtol=1e-5, atol=1e-6, err_msg=path)
     finally:
         again.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, where", [("lamb", "cpu"), ("multi_transform", "nvme"), ("adafactor", "none")])
+def test_train_steps_overlapped_matches_plain_jit(tmp_path, references, name, where):
+    """``train_steps`` (each step's optimizer overlapped with the next forward, parameters handed out as they are
+    written) with whole-tensor rules: the numbers of plain jit + optax."""
+    ref_losses, ref_params = references(name)
+    eng = zinf.initialize(ctor, config=config(tmp_path, where), optimizer=OPTIMIZERS[name][0](), loss_fn=lm_loss)
+    try:
+        losses = [m["loss"] for m in eng.train_steps(batch_at(DATA, s, 8, CFG.seq) for s in range(STEPS))]
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        got = flat(eng.params())
+        for path, r in ref_params.items():
+            np.testing.assert_allclose(got[path], r, rtol=1e-5, atol=1e-6, err_msg=path)
+    finally:
+        eng.close()
