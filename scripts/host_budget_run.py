@@ -219,7 +219,7 @@ def record(result: dict, args: argparse.Namespace) -> dict:
         oom = dict(line.split() for line in cg.get("oom_control", []) if line.strip())
         parts.append(f"under a {g(args.limit)} cgroup cap: exit {capped['exit_code']}, {args.steps} steps and a "
                      f"checkpoint, oom_kill {oom.get('oom_kill', '?')}, kernel peak (memory.max_usage_in_bytes, page "
-                     f"cache included) {g(cg.get('max_usage_in_bytes', 0))}")
+                     f"cache included: the group's cache is reclaimed at the cap) {g(cg.get('max_usage_in_bytes', 0))}")
     if "losses_equal_rtol_1e-6" in result:
         parts.append(f"losses equal to the uncapped run (rtol 1e-6): {result['losses_equal_rtol_1e-6']}")
     for name, r in (("capped", capped), ("uncapped", free)):
@@ -231,8 +231,8 @@ def record(result: dict, args: argparse.Namespace) -> dict:
         base = json.loads(Path(args.baseline).read_text())["runs"]["uncapped"]
         ref = free if free.get("exit_code") == 0 else capped
         if ref.get("exit_code") == 0:
-            parts.append(f"RSS growth {g(ref['rss_growth'] - base['rss_growth'])} more than at "
-                         f"{base['params'] / 1e9:.2f}B ({args.baseline})")
+            parts.append(f"peak RSS growth {(ref['rss_growth'] - base['rss_growth']) / GiB:+.2f} GiB against the "
+                         f"{base['params'] / 1e9:.2f}B run's ({args.baseline})")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     state = f"{16 * params / 1e9:.1f} GB" if params else "?"
     return {"order": 45, "figure": f"Host memory as a budget: bundled GPT d_model {args.d_model} x {args.layers} layers "
