@@ -348,6 +348,7 @@ def estimate_from_sizes(
     thr = config.persistence_threshold  # the gradient shards a step keeps in RAM (grads_out), bounded:
     grad_ram = ram_bytes(sum(4 * t // P if t > thr else 4 * t for t in tensors
                              if 4 * (-(-t // n_devices) if t > thr else t) < IN_RAM_BELOW))
+    grad_out = params * 4 // P - grad_ram if params * 4 // P - grad_ram >= 4 * len(tensors) else 0  # not rounding
     chunk = sub_groups(shard, config.sub_group_size)[0]
     a = heads or max(1, h // 64)  # per-layer activations (Korthikanti et al. 2022) + logits, log-softmax, grad
     workspace = (seq * batch * h * (34 + 5 * a * seq / h) * c / 2 + batch * seq * vocab * (c + 8)) / n_devices
@@ -363,8 +364,8 @@ def estimate_from_sizes(
         grad=params * 4 // P, opt=_state_bytes(config) * params // P,
         opt_disk=_state_bytes(config) * params // P + pad(4) + 2 * pad(_moment_bytes(config)),
         opt_io=_state_bytes(config) * params // P,
-        grad_ram=grad_ram, grad_disk=params * 4 // P - grad_ram + (12 * layers + 3 + untied) * _KEY_METADATA_BYTES,
-        grad_io=params * 4 // P - grad_ram,
+        grad_ram=grad_ram, grad_disk=grad_out and grad_out + (12 * layers + 3 + untied) * _KEY_METADATA_BYTES,
+        grad_io=grad_out,
         **_pool(config, [(shard, max(1, (params // P) // max(shard, 1)))]),
         assembly=4 * shard if shard > chunk else 0,
         param_meta=(12 * layers + 3 + untied) * _KEY_METADATA_BYTES, workspace=int(workspace),
