@@ -338,10 +338,11 @@ def initialize(
         :mod:`zinf_jax.plan.model_mesh`). Default: the mesh set with ``jax.set_mesh``, else
         :func:`zinf_jax.make_mesh` (every device on ``fsdp``).
       optimizer: :func:`zinf_jax.adamw` / :func:`zinf_jax.adam` (the fused
-        kernel), or any element-wise optax ``GradientTransformation`` (sgd,
-        momentum, the adam family, lion, adagrad, rmsprop, with schedules,
-        callable masks, ``optax.clip_by_global_norm`` at the head of a chain);
-        one that is not element-wise (adafactor, shampoo) is refused. Default
+        kernel), or an optax ``GradientTransformation``: element-wise ones
+        (sgd, the adam family, lion, ...) run chunk by chunk, ones that couple
+        a tensor's elements (lamb, lars, novograd, adafactor, sm3, muon) tensor
+        by tensor, and any of them inside the step's program when params and
+        optimizer state are in device memory (see the optimizers guide). Default
         from ``config.optimizer`` (a DeepSpeed config), else AdamW(1e-3).
       loss_fn: ``loss_fn(model, batch) -> loss`` (or ``(loss, aux)`` with
         ``has_aux=True``); ``model`` is the wrapped NNX module, or for Linen a
