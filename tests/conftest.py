@@ -28,7 +28,7 @@ import pytest  # noqa: E402
 jax.config.update("jax_enable_x64", False)
 
 # Many tests build engines of the same small models: share their compiled programs
-# through a persistent compilation cache that lives for this test session only. The
+# through a persistent compilation cache that lives for this test run only. The
 # process that starts pytest makes it and names it in the environment, so the xdist
 # workers it spawns (and their files' alike models) share it too; it removes it at exit.
 _CACHE = os.environ.get("ZINF_TEST_SESSION_CACHE")

@@ -20,7 +20,7 @@ def free_port() -> int:
 
 def job_env(jax_cache: bool = False) -> dict[str, str]:
     """This environment without JAX_/XLA_ settings (each worker sets its own devices); ``jax_cache`` passes
-    the test session's compilation cache directory on (``ZINF_TEST_JAX_CACHE``)."""
+    the test run's compilation cache directory on (``ZINF_TEST_JAX_CACHE``)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
     if jax_cache:
         import jax
@@ -30,7 +30,7 @@ def job_env(jax_cache: bool = False) -> dict[str, str]:
 
 
 def use_session_jax_cache() -> None:
-    """In a worker: compiles through the test session's compilation cache (``ZINF_TEST_JAX_CACHE``, see
+    """In a worker: compiles through the test run's compilation cache (``ZINF_TEST_JAX_CACHE``, see
     :func:`job_env`), every program cached, as in the test process; nothing if it is not set."""
     cache = os.environ.get("ZINF_TEST_JAX_CACHE")
     if cache:

@@ -28,7 +28,7 @@ import jax  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from helpers.procs import use_session_jax_cache  # noqa: E402
 
-use_session_jax_cache()  # the test session's compilation cache: later engines compile nothing
+use_session_jax_cache()  # the test run's compilation cache: later engines compile nothing
 jax.distributed.initialize(f"localhost:{port}", num_processes=nproc, process_id=pid)
 
 from flax import nnx  # noqa: E402
