@@ -161,6 +161,7 @@ def test_two_processes_each_read_only_their_slices(tmp_path):
         assert o["ok"], o
 
 
+@pytest.mark.slow  # a 1 GB file: the lazy reads are checked at small size in test_open_weights
 def test_loading_a_1gb_file_holds_no_more_host_ram_than_the_engines_own_init(tmp_path):
     """Peak RSS of initialising a 1.35 GB (fp32) model from its file vs from its initialisers, each in a fresh process."""
     from helpers.llama import BIG, save_hf

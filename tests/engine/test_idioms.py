@@ -68,6 +68,8 @@ def nvme(tmp_path, threshold=64, engine="streamed"):
 
 
 ENGINES = pytest.mark.parametrize("engine", ["streamed", "compiled"])
+# the Linen LM and ResNet on the streamed engine: -m slow (Linen units stream in test_engine's convnet)
+COMPILED_BY_DEFAULT = pytest.mark.parametrize("engine", [pytest.param("streamed", marks=pytest.mark.slow), "compiled"])
 
 
 def tokens(step, batch=8, seq=9):
@@ -130,7 +132,7 @@ def linen_reference(module, init_args, init_kwargs, loss_fn, batches, *, collect
     return losses, params, state
 
 
-@ENGINES
+@COMPILED_BY_DEFAULT
 def test_linen_lm_boxed_params_setup_units_mask_kwarg_and_dropout(tmp_path, engine):
     """with_logical_partitioning boxes, setup()-built embedding/layers as units, decoder_mask= (an array
     keyword argument), a Python flag, dropout from apply(rngs=...): losses and params equal plain Linen."""
@@ -191,7 +193,7 @@ def test_linen_child_holding_a_shared_setup_module_is_skipped_with_a_warning(tmp
     eng.close()
 
 
-@ENGINES
+@COMPILED_BY_DEFAULT
 def test_linen_resnet_batch_stats_and_l2_penalty(tmp_path, engine):
     """BatchNorm batch_stats through apply(mutable=['batch_stats']), an L2 term over the kernels
     (param_loss), running averages kept, saved, restored and used by eval_step."""
@@ -338,6 +340,7 @@ def test_passed_rngs_advance_like_nnx(tmp_path):
     eng.close()
 
 
+@pytest.mark.slow  # sow is trained end to end by test_nnx_sow_and_shared_rngs
 def test_sow_model_gradients_match(tmp_path):
     """The gradients themselves (shared Rngs, dropout, sown auxiliary term) against nnx.value_and_grad."""
     from helpers.engine_utils import build, nnx_adapter, streamed_grads
