@@ -75,6 +75,33 @@ def streamed_grads(sm, g_glue):
     return out
 
 
+def nest_paths(flat_paths):
+    """``{"a/b": x}`` as the nested dict ``{"a": {"b": x}}`` (an optimizer's view of a flat param dict)."""
+    out = {}
+    for p, v in flat_paths.items():
+        node = out
+        *head, last = p.split("/")
+        for k in head:
+            node = node.setdefault(k, {})
+        node[last] = v
+    return out
+
+
+def unnest_paths(tree, prefix=""):
+    """The inverse of :func:`nest_paths`."""
+    out = {}
+    for k, v in tree.items():
+        out.update(unnest_paths(v, f"{prefix}{k}/") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def assert_params_close(got, ref, rtol=1e-5, atol=1e-6):
+    """Every path of ``ref`` in ``got`` (``path -> array``), equal within ``rtol``/``atol``."""
+    assert set(ref) <= set(got), sorted(set(ref) - set(got))
+    for path, r in ref.items():
+        np.testing.assert_allclose(got[path], r, rtol=rtol, atol=atol, err_msg=path)
+
+
 def flat(state):
     """An nnx.State (or params pytree) as ``path -> numpy array``."""
     return {path_str(p): np.asarray(v) for p, v in zip(leaf_paths(state), jax.tree.leaves(state))}

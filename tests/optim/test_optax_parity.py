@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 
 import zinf_jax as zinf
-from helpers.engine_utils import flat, optax_run
+from helpers.engine_utils import assert_params_close, flat, optax_run
 from zinf_jax.models import GPT, GPTConfig, batch_at, corpus, lm_loss
 
 CFG = GPTConfig(vocab=256, d_model=32, n_heads=4, n_layers=2, seq=16)
@@ -94,8 +94,7 @@ def test_optax_matches_plain_jit(tmp_path, references, name, where):
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
         got = flat(eng.params())
         assert set(got) == set(ref_params)
-        for path, r in ref_params.items():
-            np.testing.assert_allclose(got[path], r, rtol=1e-5, atol=1e-6, err_msg=path)
+        assert_params_close(got, ref_params)
         rule = eng.optimizer.rule
         coupled = {p for p in eng.layouts if rule.whole(p)}
         want = {"none": set(), "all": set(eng.layouts),
@@ -131,8 +130,7 @@ def test_checkpoint_mid_run_restores_on_another_mesh(tmp_path, name):
         redo = [again.train_step(b)["loss"] for b in batches[2:]]
         np.testing.assert_allclose(redo, cont, rtol=1e-5)
         got = flat(again.params())
-        for path, r in cont_params.items():
-            np.testing.assert_allclose(got[path], r, rtol=1e-5, atol=1e-6, err_msg=path)
+        assert_params_close(got, cont_params)
     finally:
         again.close()
 
@@ -147,8 +145,6 @@ def test_train_steps_overlapped_matches_plain_jit(tmp_path, references, name, wh
     try:
         losses = [m["loss"] for m in eng.train_steps(batch_at(DATA, s, 8, CFG.seq) for s in range(STEPS))]
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-        got = flat(eng.params())
-        for path, r in ref_params.items():
-            np.testing.assert_allclose(got[path], r, rtol=1e-5, atol=1e-6, err_msg=path)
+        assert_params_close(flat(eng.params()), ref_params)
     finally:
         eng.close()

@@ -19,6 +19,7 @@ from zinf_jax.optim import StreamedAdam
 from zinf_jax.optim.optax_probe import Cut, classify
 from zinf_jax.plan.partition import from_stored, make_mesh, plan_partition, to_stored
 from zinf_jax.tiers import CpuTier, NvmeTier
+from helpers.engine_utils import nest_paths, unnest_paths
 
 SHAPES = {
     "dense/kernel": (64, 40),  # sharded on dim 0
@@ -63,28 +64,10 @@ def layouts():
     return plan_partition(structs, make_mesh(), persistence_threshold=16)
 
 
-def _nest(flat):
-    out = {}
-    for p, v in flat.items():
-        node = out
-        *head, last = p.split("/")
-        for k in head:
-            node = node.setdefault(k, {})
-        node[last] = v
-    return out
-
-
-def _unnest(tree, prefix=""):
-    flat = {}
-    for k, v in tree.items():
-        flat.update(_unnest(v, f"{prefix}{k}/") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return flat
-
-
 def _reference(tx, params, grads, state_dtype=None):
     """optax on the whole tree; with ``state_dtype``, its float states rounded to it after every update (as a
     tier storing them in that dtype holds them)."""
-    p = _nest({k: jnp.asarray(v) for k, v in params.items()})
+    p = nest_paths({k: jnp.asarray(v) for k, v in params.items()})
     state = tx.init(p)
 
     def rounded(x):
@@ -98,8 +81,8 @@ def _reference(tx, params, grads, state_dtype=None):
         return optax.apply_updates(p, u), jax.tree.map(rounded, s)
 
     for g in grads:
-        p, state = step(p, state, _nest({k: jnp.asarray(v) for k, v in g.items()}))
-    return {k: np.asarray(v) for k, v in _unnest(p).items()}
+        p, state = step(p, state, nest_paths({k: jnp.asarray(v) for k, v in g.items()}))
+    return {k: np.asarray(v) for k, v in unnest_paths(p).items()}
 
 
 def _split(layout, full):

@@ -20,6 +20,7 @@ from zinf_jax.optim import StreamedAdam, adamw, default_decay_mask, init_loss_sc
 from zinf_jax.optim.subgroups import sub_groups
 from zinf_jax.plan.partition import from_stored, make_mesh, plan_partition, to_stored
 from zinf_jax.tiers import CpuTier, NvmeTier
+from helpers.engine_utils import nest_paths, unnest_paths
 
 SHAPES = {
     "dense/kernel": (64, 40),  # sharded on dim 0: shards (8, 40), 320 elements
@@ -465,25 +466,10 @@ def test_optax_rule_compiles_once_per_distinct_program_and_keeps_path_masks(tmp_
 
 def _nest_tx(tx):
     """``tx`` on the flat ``path -> array`` dict of :func:`_optax`, seen nested as the driver shows it."""
-    def nest(flat):
-        out = {}
-        for p, v in flat.items():
-            node = out
-            *head, last = p.split("/")
-            for k in head:
-                node = node.setdefault(k, {})
-            node[last] = v
-        return out
-
-    def unnest(tree, prefix=""):
-        flat = {}
-        for k, v in tree.items():
-            flat.update(unnest(v, f"{prefix}{k}/") if isinstance(v, dict) else {f"{prefix}{k}": v})
-        return flat
-
     return optax.GradientTransformation(
-        lambda p: tx.init(nest(p)),
-        lambda g, s, p=None: (lambda u, s2: (unnest(u), s2))(*tx.update(nest(g), s, None if p is None else nest(p))))
+        lambda p: tx.init(nest_paths(p)),
+        lambda g, s, p=None: (lambda u, s2: (unnest_paths(u), s2))(
+            *tx.update(nest_paths(g), s, None if p is None else nest_paths(p))))
 
 
 def test_a_large_pool_is_freed_after_each_step_with_the_same_numbers(layouts, monkeypatch):
