@@ -40,6 +40,7 @@ from zinf_jax.config import ZeroConfig
 from zinf_jax.engine.host_budget import buffer_set_bytes
 from zinf_jax.engine.wrap import make_adapter, trainable_paths
 from zinf_jax.estimate_step import StepDigest, simulate, step_io
+from zinf_jax.optim.fused import MOVE_IN_AHEAD
 from zinf_jax.optim.grads_out import IN_RAM_BELOW, ram_bytes
 from zinf_jax.optim.subgroups import PACK_BELOW, PACK_ELEMENTS, pool_geometry, sub_groups
 from zinf_jax.plan.host_memory import HostPlan, HostSizes, plan_host
@@ -244,7 +245,10 @@ def _estimate(d: StepDigest, config: ZeroConfig, pt: str, ot: str, platform: str
     shared = where.shared_master  # See [Note: shared fp32 master]
     stream, host_fb = simulate(d, config.prefetch_depth, config.max_live_bytes, where.activations, grads_out)
     on_dev, cpu_p, cpu_o = d.store if pt == "none" else 0, d.store if pt == "cpu" else 0, d.opt if ot == "cpu" else 0
-    fixed = {"unit_state": d.rests, "persistent_params": d.glue, "optimizer_state": d.opt if ot == "none" else 0}
+    # optimizer_update="device": the whole state is on the devices during the step (read ahead of its puts)
+    moved_in = config.optimizer_update == "device" and ot != "none" and pt == "none" and where.engine == "compiled"
+    fixed = {"unit_state": d.rests, "persistent_params": d.glue,
+             "optimizer_state": d.opt if ot == "none" or moved_in else 0}
     dev = {**stream, **fixed, "param_tier": on_dev}  # the stream's peak; the optimizer step adds nothing on device
 
     def per_device(items: Mapping[str, int]) -> int:
@@ -254,7 +258,7 @@ def _estimate(d: StepDigest, config: ZeroConfig, pt: str, ot: str, platform: str
 
     # float32 master, m, v (and the gradient read back); bf16 moments add their narrow staging buffers
     staging_bf16 = 2 * 2 if config.moments_dtype == "bfloat16" else 0
-    buffers = (min(config.offload_optimizer.buffer_count, d.groups)
+    buffers = (min(d.opt, MOVE_IN_AHEAD) if moved_in else min(config.offload_optimizer.buffer_count, d.groups)
                * (12 + 4 * (grads_out or d.packs) + staging_bf16) * d.max_chunk + d.assembly)
     if grads_out:  # the small shards stay in RAM as the backward produces them
         host_fb = {**host_fb, "grad_sink": host_fb.get("grad_sink", 0) + d.grad_ram}

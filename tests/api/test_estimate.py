@@ -28,6 +28,7 @@ from flax import nnx
 
 import zinf_jax as zinf
 from helpers.small_models import TinyLM, ConvNet, TinyLMConfig, lm_loss
+from zinf_jax.optim.fused import MOVE_IN_AHEAD
 from zinf_jax.estimate import (CONFIGURATIONS, RUNTIME_OVERHEAD, Machine, estimate, estimate_from_model,
                                estimate_from_sizes, fits, format_report)
 
@@ -358,3 +359,18 @@ def test_step_seconds_by_phase():
         mem.step_seconds(0.0)
     report = format_report(est, disk_gbps=1.5, device_tflops=0.04)
     assert "step s" in report and f"{t['compute']:.2f}" in report
+
+
+def test_device_update_counts_the_state_on_the_devices_and_no_host_buffer_sets():
+    """``optimizer_update="device"``: the whole optimizer state is in device memory during the step (the
+    device-memory tier's figure for it), and the host holds its read-ahead, not the streamed step's sets."""
+    pairs = [("none", "cpu"), ("none", "nvme"), ("none", "none")]
+    by = {u: {(e.param_tier, e.optimizer_tier): e for e in estimate_from_model(
+        ctor(), config=zinf.ZeroConfig(persistence_threshold=THRESHOLD, optimizer_update=u), mesh=mesh(), loss_fn=lm_loss, example_batch=example(),
+        configurations=pairs)} for u in ("host", "device")}
+    state = by["host"][("none", "none")].breakdown["device.optimizer_state"]
+    for pair in pairs[:2]:
+        host, dev = by["host"][pair].breakdown, by["device"][pair].breakdown
+        assert "device.optimizer_state" not in host and dev["device.optimizer_state"] == state
+        assert dev["host.optimizer_buffers"] == min(state, MOVE_IN_AHEAD) < host["host.optimizer_buffers"]
+    assert by["device"][("none", "none")].breakdown == by["host"][("none", "none")].breakdown

@@ -1,6 +1,8 @@
 """The optimizer step inside the compiled step (params and optimizer in device memory, zinf's Adam(W)):
 against plain jit(value_and_grad) + optax, against the host-side streamed update of the same state, through
 a skipped step and across checkpoints into and out of the other engines."""
+import gc
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -101,6 +103,61 @@ def test_the_update_in_the_program_equals_the_host_update_of_the_same_state(fuse
     host.close()
     if moments != "float32":
         eng.close()
+
+
+def test_state_on_nvme_updated_on_the_device_is_the_device_memory_run_bitwise(fused_run, tmp_path):
+    """``optimizer_update="device"``: master, m and v live on nvme, move in for each step's program and go back.
+    The same program arithmetic as state kept in device memory, so the same numbers bit for bit; between steps
+    no state is on the devices; a checkpoint of it continues under the host update (its CPU kernel: rtol 1e-6)."""
+    eng, ms = fused_run
+    (tmp_path / "t").mkdir()
+    embed = next(p for p in eng.trainable if "embed" in p)  # its flat state is a 1-D array of its size
+    size = int(np.prod(eng.layouts[embed].shape))
+
+    def flat_states():
+        gc.collect()  # what earlier tests' engines left in reference cycles
+        return {id(x) for x in jax.live_arrays() if x.ndim == 1 and x.size == size}
+
+    resident = flat_states()  # the device-memory run's (fused_run's) own
+    assert len(resident) == 3
+
+    def cfg(update):
+        return zinf.ZeroConfig(offload_optimizer=zinf.Offload("nvme", path=str(tmp_path / "t")),
+                               optimizer_update=update, engine="compiled", gradient_clipping=CLIP,
+                               persistence_threshold=600)
+
+    dev = zinf.initialize(ctor, config=cfg("device"), loss_fn=lm_loss, optimizer=adamw())
+    assert isinstance(dev.optimizer, FusedAdam) and dev.grad_tier is None  # the gradients never leave the devices
+    got = []
+    for k, b in enumerate(batches(STEPS)):
+        got.append(dev.train_step(b))
+        if k == STEPS // 2 - 1:
+            dev.save(tmp_path / "ckpt")
+    assert all(m["time_split"]["optimizer_in_program"] == 1.0 for m in got)
+    assert [m["loss"] for m in got] == [m["loss"] for m in ms]
+    a, b = dev.param_arrays(), eng.param_arrays()
+    assert all(a[k].tobytes() == b[k].tobytes() for k in b)
+    assert flat_states() == resident  # none of the nvme run's state stays on the devices
+    first = dev.optimizer.read_state(embed, 0, "v")  # what the tier holds is the device-memory run's state
+    np.testing.assert_array_equal(first, eng.optimizer.read_state(embed, 0, "v"))
+    dev.close()
+    host = zinf.restore(tmp_path / "ckpt", ctor, config=cfg("host"), loss_fn=lm_loss, optimizer=adamw())
+    assert not isinstance(host.optimizer, FusedAdam) and host.step == STEPS // 2
+    np.testing.assert_allclose([host.train_step(b)["loss"] for b in batches(STEPS // 2, start=STEPS // 2)],
+                               [m["loss"] for m in ms[STEPS // 2:]], rtol=1e-6)
+    host.close()
+
+
+def test_device_update_refuses_what_its_program_cannot_take(tmp_path):
+    """Params offloaded, accumulation: a ConfigError naming the setting, before the nvme tier is written."""
+    nvme = zinf.Offload("nvme", path=str(tmp_path))
+    for kw, reason in [(dict(offload_param=zinf.Offload("cpu")), "params must be in device memory"),
+                       (dict(gradient_accumulation_steps=2), "accumulation")]:
+        with pytest.raises(zinf.ConfigError, match=reason) as e:
+            zinf.initialize(ctor, config=zinf.ZeroConfig(offload_optimizer=nvme, optimizer_update="device", **kw),
+                            loss_fn=lm_loss, optimizer=adamw())
+        assert e.value.field == "optimizer_update" and "optimizer_update='host'" in str(e.value)
+        assert not list(tmp_path.iterdir())
 
 
 def test_train_steps_equal_train_step_bitwise(fused_run):

@@ -1,7 +1,8 @@
 """Every optax optimizer a JAX user brings, end to end against plain ``jax.jit`` + optax (issue 44).
 
 Each transform trains a small GPT (kernels sharded over 8 CPU devices) for 4 steps through zinf_jax
-in three placements (params and optimizer on nvme; both on cpu; both in device memory) and is held
+in five placements (params and optimizer on nvme; both on cpu; both in device memory; params in device
+memory with the optimizer state on cpu or on nvme, updated on the device) and is held
 to the same transform under plain ``jax.jit`` on the unwrapped model: losses rtol 1e-5, params rtol
 1e-5. Element-wise transforms run chunk by chunk, the others whole tensor by tensor
 (:mod:`zinf_jax.optim.optax_rule`); which parameters took the whole path is checked too, so a
@@ -58,13 +59,18 @@ OPTIMIZERS = {
     "inject_hyperparams": (lambda: optax.inject_hyperparams(optax.adamw)(learning_rate=3e-3, eps=1e-4), "none"),
 }
 
-PLACEMENTS = ("nvme", "cpu", "none")
+# "<tier>-device": params in device memory, the optimizer state on <tier>, updated in the step's program
+# (optimizer_update="device")
+PLACEMENTS = ("nvme", "cpu", "none", "cpu-device", "nvme-device")
 CHEAP = {("lars", "cpu"), ("sgd", "none")}  # the LARS case and a stateless transform; the rest: -m slow
 
 
 def config(tmp_path, where):
     tmp_path.mkdir(parents=True, exist_ok=True)
-    off = zinf.Offload(where, path=str(tmp_path)) if where == "nvme" else zinf.Offload(where)
+    tier, _, update = where.partition("-")
+    off = zinf.Offload(tier, path=str(tmp_path)) if tier == "nvme" else zinf.Offload(tier)
+    if update:
+        return zinf.ZeroConfig(offload_optimizer=off, optimizer_update=update, persistence_threshold=600)
     return zinf.ZeroConfig(offload_param=off, offload_optimizer=off, persistence_threshold=600)
 
 
@@ -100,7 +106,8 @@ def test_optax_matches_plain_jit(tmp_path, references, name, where):
         want = {"none": set(), "all": set(eng.layouts),
                 "matrices": {p for p, lay in eng.layouts.items() if len(lay.shape) > 1}}[whole]
         assert coupled == want
-        if where == "none":  # the transform ran inside the step's one XLA program (zinf_jax.optim.fused_optax)
+        if where in ("none", "cpu-device", "nvme-device"):  # the transform ran inside the step's one XLA program
+            # (zinf_jax.optim.fused_optax)
             assert eng.optimizer.last_stats.get("in_program") == 1.0
     finally:
         eng.close()

@@ -157,6 +157,16 @@ class ZeroConfig:
     offload_optimizer: Offload = nested_field(Offload("cpu"), Offload)
     """Tier of the fp32 master params and optimizer states; ``"none"``: in device memory (sharded like the
     params; the update still streams through host buffers on the CPU)."""
+    optimizer_update: str = checked("host", as_other, *one_of(("host", "device")))
+    """Where the update of optimizer state kept on ``"cpu"`` or ``"nvme"`` runs. ``"host"``: the streamed CPU
+    step, sub-group by sub-group. ``"device"``: each step the state moves from its tier to the devices, the
+    compiled step's own program updates it (zinf's Adam or any optax transform, as with state in device
+    memory), and the new state goes back to its tier (MaxText's ``optimizer_memory_host_offload``): state
+    parked off the devices between steps, the update at device speed, device memory holding the whole state
+    during the step. Needs what the in-program update needs (the compiled engine, params in device memory,
+    one process, no gradient accumulation or fp16 loss scaling, a shard within ``sub_group_size``): else a
+    ConfigError at ``initialize`` naming what is missing. With the state in device memory
+    (``offload_optimizer="none"``) the update runs in the program wherever it can, as ``"device"`` says."""
     prefetch_depth: int = checked(2, as_int, 0)
     """Units fetched ahead of the one computing (``0``: no prefetch)."""
     max_live_bytes: int | None = checked(None, as_int, 1, optional=True)

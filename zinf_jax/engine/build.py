@@ -36,6 +36,7 @@ from zinf_jax.engine.store import ParamStore, local_indices_of
 from zinf_jax.engine.compiled import CompiledModel
 from zinf_jax.engine.streamed import ParamLoss, StreamedModel
 from zinf_jax.engine.wrap import trainable_paths
+from zinf_jax.errors import ConfigError
 from zinf_jax.optim.choose import loss_scaling, with_clipping
 from zinf_jax.optim.driver import StreamedOptimizer
 from zinf_jax.optim.fused import FusedAdam, fused_refusal
@@ -152,6 +153,22 @@ def build(adapter: Any, *, config: ZeroConfig, mesh: Mesh, optimizer: Any, init:
     def owner(path: str, index: int) -> bool:
         return owns_shard(mesh, layouts[path], index, config.zero_axes)
 
+    spec = with_clipping(optimizer, config.gradient_clipping)
+    scaling = loss_scaling(config, compute_dtype)
+    on_device = config.optimizer_update == "device"
+    why = fused_refusal(  # None: the compiled step runs the update too (optim/fused.py)
+        spec, compiled=where.engine == "compiled", param_tier=where.params.device,
+        opt_tier=where.optimizer.device, accumulation=config.gradient_accumulation_steps,
+        loss_scaling=scaling is not None, grad_tier=where.grads is not None,
+        largest_shard=max((math.prod(l.shard_shape) for l in layouts.values()), default=0),
+        sub_group_size=config.sub_group_size, update_on_device=on_device)
+    if why is not None and on_device and where.optimizer.device != "none":
+        detail = (f"the update cannot run in the step's program with {why}. Fix: change that, or "
+                  "optimizer_update='host' (the streamed CPU update)")
+        raise ConfigError(f"ZeroConfig.optimizer_update='device': {detail}", field="optimizer_update",
+                          detail=detail)
+    fused = why is None
+
     with contextlib.ExitStack() as undo:
         param_tier = _open(where.params, config, device_of)
         undo.callback(close_quietly, param_tier)
@@ -159,14 +176,6 @@ def build(adapter: Any, *, config: ZeroConfig, mesh: Mesh, optimizer: Any, init:
         undo.callback(close_quietly, opt_tier)
         grad_tier = None if where.grads is None else _open(where.grads, config, device_of)  # [Note: scratch gradients]
         undo.callback(close_quietly, grad_tier)
-        spec = with_clipping(optimizer, config.gradient_clipping)
-        scaling = loss_scaling(config, compute_dtype)
-        fused = fused_refusal(  # None: the compiled step runs the update too (optim/fused.py)
-            spec, compiled=where.engine == "compiled", param_tier=where.params.device,
-            opt_tier=where.optimizer.device, accumulation=config.gradient_accumulation_steps,
-            loss_scaling=scaling is not None, grad_tier=grad_tier is not None,
-            largest_shard=max((math.prod(l.shard_shape) for l in layouts.values()), default=0),
-            sub_group_size=config.sub_group_size) is None
         make = functools.partial(FusedAdam, mesh=mesh) if fused else StreamedOptimizer
         opt = make(
             spec, opt_tier,
@@ -194,7 +203,7 @@ def build(adapter: Any, *, config: ZeroConfig, mesh: Mesh, optimizer: Any, init:
         if where.engine == "compiled":
             passes: CompiledModel | StreamedModel = CompiledModel(
                 adapter, store, host_params=where.params.device == "cpu",
-                grads_on_host=where.optimizer.device != "none",
+                grads_on_host=where.optimizer.device != "none" and not fused,
                 activation_checkpointing=config.activation_checkpointing, param_loss=param_loss,
                 trainable=trained, sink=sink, gate=gate, fused=opt if fused else None, model_mesh=model_mesh)
         else:

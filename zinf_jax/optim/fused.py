@@ -25,7 +25,8 @@ as in the streamed step. With an optax transform the program runs the transform 
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import collections
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -38,17 +39,28 @@ from zinf_jax.optim.fused_optax import from_flat, optax_update, small_leaves, to
 from zinf_jax.optim.kernel import AdamCoefficients
 from zinf_jax.optim.scaling import update_loss_scale
 from zinf_jax.plan.partition import ParamLayout, local_positions
+from zinf_jax.tiers.base import np_dtype
 
-__all__ = ["FusedAdam", "fused_refusal", "to_flat", "from_flat"]
+__all__ = ["FusedAdam", "fused_refusal", "to_flat", "from_flat", "MOVE_IN_AHEAD"]
+
+MOVE_IN_AHEAD = 256 << 20
+"""Host bytes of optimizer state read ahead of their put to the devices (``optimizer_update="device"``)."""
 
 
 def fused_refusal(spec: Any, *, compiled: bool, param_tier: str, opt_tier: str, accumulation: int,
-                  loss_scaling: bool, grad_tier: bool, largest_shard: int, sub_group_size: int) -> str | None:
-    """Why the update cannot run inside the compiled step (``None``: it can)."""
+                  loss_scaling: bool, grad_tier: bool, largest_shard: int, sub_group_size: int,
+                  update_on_device: bool = False) -> str | None:
+    """Why the update cannot run inside the compiled step (``None``: it can).
+
+    Args:
+      update_on_device: ``optimizer_update="device"``: state on a host tier moves in for the step.
+    """
     if not compiled:
         return "the streamed engine runs the step"
-    if (param_tier, opt_tier) != ("none", "none"):
-        return f"params on {param_tier!r} and optimizer on {opt_tier!r} (both must be in device memory)"
+    if param_tier != "none" or (opt_tier != "none" and not update_on_device):
+        need = ("params must be in device memory" if update_on_device
+                else "both must be in device memory, or optimizer_update='device'")
+        return f"params on {param_tier!r} and optimizer on {opt_tier!r} ({need})"
     import optax
 
     if not isinstance(spec, (AdamSpec, optax.GradientTransformation)):
@@ -86,6 +98,7 @@ class FusedAdam(StreamedOptimizer):
         self._cache: dict[str, tuple[tuple[int, ...], jax.Array]] = {}  # state key -> (tier objects' ids, array)
         self._pending: dict[str, Any] | None = None  # the metrics of a step the program applied
         self._adopted = -1  # the tier's version after the last adopt
+        self._resident = self.tier.kind == "device"  # else the state moves in for each step and back out
         self._optax = not isinstance(self.spec, AdamSpec)  # See zinf_jax.optim.fused_optax
         self._shapes = {p: whole_shape(self.rule, p, lay) for p, lay in self.layouts.items()} if self._optax else {}
         self._small: dict[str, tuple[tuple[int, ...], list[jax.Array]]] = {}  # path -> (host leaves' ids, on device)
@@ -98,6 +111,8 @@ class FusedAdam(StreamedOptimizer):
 
     def states(self, paths: Sequence[str]) -> list[list[jax.Array]]:
         """Per path, its master and the rule's states as global flat arrays (see module doc)."""
+        if not self._resident:
+            return [row + (self._small_on_device(path) if self._optax else []) for path, row in self._move_in(paths)]
         if self.tier.version == self._adopted:  # nothing else wrote the tier since the last step's states
             return [[self._cache[f"{name}/{path}"][1] for name in self._names[path]]
                     + (self._small_on_device(path) if self._optax else []) for path in paths]
@@ -114,6 +129,42 @@ class FusedAdam(StreamedOptimizer):
             out.append(row + self._small_on_device(path) if self._optax else row)
         return out
 
+    def _move_in(self, paths: Sequence[str]) -> Iterator[tuple[str, list[jax.Array]]]:
+        """Each path's states read from a host or nvme tier and put on the devices (``optimizer_update="device"``).
+
+        Reads run ahead of the puts by up to :data:`MOVE_IN_AHEAD` bytes, each state read into one host buffer
+        (shard ``i`` at ``i * numel``) that its put copies from and that is dropped once the put is done.
+        """
+        pending: collections.deque = collections.deque()
+        ahead = 0
+
+        def issue(path: str) -> None:
+            nonlocal ahead
+            reads = []
+            for name in self._names[path]:
+                spec = self.tier.spec(f"{name}/{path}")
+                host = np.empty(len(self._local[path]) * spec.shard_shape[0], np_dtype(spec.dtype))
+                n = spec.shard_shape[0]
+                futs = self.tier.get_many([(f"{name}/{path}", i, host[k * n:(k + 1) * n])
+                                           for k, i in enumerate(self._local[path])])
+                reads.append((host, futs))
+                ahead += host.nbytes
+            pending.append((path, reads))
+
+        todo = collections.deque(paths)
+        while todo or pending:
+            while todo and (not pending or ahead < MOVE_IN_AHEAD):
+                issue(todo.popleft())
+            path, reads = pending.popleft()
+            row = []
+            for host, futs in reads:
+                for f in futs:
+                    f.result()
+                arr = jax.make_array_from_callback(host.shape, self._flat_sharding(path), lambda idx, h=host: h[idx])
+                row.append(jax.block_until_ready(arr))
+                ahead -= host.nbytes
+            yield path, row
+
     def _small_on_device(self, path: str) -> list[jax.Array]:
         """``path``'s scalar and other-shaped optax state leaves, replicated (uploaded when the rule's changed)."""
         host = small_leaves(self.rule, path)
@@ -129,7 +180,18 @@ class FusedAdam(StreamedOptimizer):
         return jax.make_array_from_callback(host.shape, self._flat_sharding(path), lambda idx: host[idx])
 
     def adopt(self, paths: Sequence[str], states: Sequence[Sequence[jax.Array]]) -> None:
-        """Makes the program's new states the tier's shards (no copy), and remembers them as the next step's inputs."""
+        """Makes the program's new states the tier's shards (no copy), and remembers them as the next step's inputs
+        (a host or nvme tier: writes them back to it, each shard copied out of device memory, and keeps nothing on
+        the devices; the step's commit waits for the writes)."""
+        if not self._resident:
+            for path, row in zip(paths, states):
+                pos = local_positions(self.layouts[path], self.mesh, row[0])
+                n = len(self._names[path])
+                self.tier.put_many([(f"{name}/{path}", i, np.asarray(arr.addressable_data(pos[i])))
+                                    for name, arr in zip(self._names[path], row[:n]) for i in self._local[path]])
+                if self._optax:
+                    self._new_small[path] = list(row[n:])
+            return
         items = []
         for path, row in zip(paths, states):
             pos = local_positions(self.layouts[path], self.mesh, row[0])  # flat shard i: the layout's shard i

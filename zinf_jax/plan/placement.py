@@ -136,7 +136,7 @@ def place(config: ZeroConfig, compute_dtype: str, *, param_device: str | None = 
     optimizer = TierPlacement(device=od, path=oo.path if od == oo.device else None, subdir="optimizer",
                               host_memory="numpy", update=update, direct_io=oo.direct_io,
                               chunk_bytes=config.aio.chunk_bytes)
-    grads = None if od != "nvme" else dataclasses.replace(optimizer, subdir="grads",
+    grads = None if od != "nvme" or config.optimizer_update == "device" else dataclasses.replace(optimizer, subdir="grads",
                                                                  update=UpdateMode.SCRATCH)
     act = config.offload_activations
     activations = "nvme" if act == "nvme" else "cpu" if act in (True, "cpu") else "device"
