@@ -4,10 +4,12 @@ import json
 from pathlib import Path
 
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
 import zinf_jax as zinf
+from helpers.engine_utils import optax_run
 from helpers.procs import WORKERS, free_port, job_env, last_json, start
 from zinf_jax.models import GPT, GPTConfig, batch_at, corpus, lm_loss
 
@@ -20,10 +22,12 @@ def two_processes(tmp_path_factory):
     ``({tiers: [per-process results]}, its work dir)``."""
     work = tmp_path_factory.mktemp("two")
     (work / "nvme").mkdir()
+    (work / "nvme-lamb").mkdir()
     port = str(free_port())
-    outs = last_json(start([[str(WORKERS / "mp_worker.py"), str(i), "2", port, str(work), str(STEPS), "cpu,nvme"]
+    runs = ("cpu", "nvme", "nvme-lamb")
+    outs = last_json(start([[str(WORKERS / "mp_worker.py"), str(i), "2", port, str(work), str(STEPS), ",".join(runs)]
                             for i in range(2)], job_env(jax_cache=True)))
-    return {tiers: [o[tiers] for o in outs] for tiers in ("cpu", "nvme")}, work
+    return {tiers: [o[tiers] for o in outs] for tiers in runs}, work
 
 
 def _single(tiers):
@@ -62,6 +66,20 @@ def test_two_processes_match_single_process(two_processes):
     assert "optimizer: 2 processes; every shard of its" in text and "held by exactly one of them" in text
     assert outs[0]["losses"] == outs[1]["losses"]
     np.testing.assert_allclose(outs[0]["losses"], _single("nvme"), rtol=1e-5)
+
+
+def test_two_processes_run_a_whole_tensor_rule_as_plain_jit(two_processes):
+    """``optax.lamb`` (a trust ratio per tensor) with each process holding half of every sharded parameter: the
+    processes gather each parameter's other shards for its update, and train as plain jit + optax on the
+    whole batch."""
+    outs = two_processes[0]["nvme-lamb"]
+    assert [o["mode"] for o in outs] == ["streamed", "streamed"]
+    assert outs[0]["losses"] == outs[1]["losses"]
+    cfg = GPTConfig(vocab=256, d_model=32, n_heads=4, n_layers=2, seq=16)
+    data = corpus()
+    ref, _ = optax_run(GPT(cfg, rngs=nnx.Rngs(0)), optax.lamb(3e-3, eps=1e-4),
+                       [batch_at(data, s, 8, cfg.seq) for s in range(STEPS)])
+    np.testing.assert_allclose(outs[0]["losses"], ref, rtol=1e-5)
 
 
 def _chunks(root):

@@ -3,7 +3,7 @@
 
 Usage: python mp_worker.py PROCESS_ID NUM_PROCESSES PORT WORKDIR STEPS [TIERS]
 TIERS: comma-separated, each ``nvme`` (the streamed engine) or ``cpu`` (params and optimizer in host RAM: the
-compiled engine); default ``nvme``.
+compiled engine), zinf's AdamW; or ``nvme-lamb`` (nvme, ``optax.lamb``: a whole-tensor rule); default ``nvme``.
 Prints one JSON line: {tier: {"process": i, "mode": ..., "losses": [...], "manifests": [...], ...}}.
 """
 import json
@@ -22,6 +22,7 @@ from helpers.procs import use_session_jax_cache  # noqa: E402
 use_session_jax_cache()  # the test run's compilation cache: later engines compile nothing
 jax.distributed.initialize(f"localhost:{port}", num_processes=nproc, process_id=pid)
 
+import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import zinf_jax as zinf  # noqa: E402
@@ -38,10 +39,12 @@ def local(s):
 def run(tiers):
     """Trains ``steps`` steps with params and optimizer on ``tiers``: what this process saw."""
     work = os.path.join(workdir, tiers)  # (exists for nvme: the test made it)
-    off = zinf.Offload("nvme", path=work) if tiers == "nvme" else zinf.Offload(tiers)
+    tier, _, rule = tiers.partition("-")
+    off = zinf.Offload("nvme", path=work) if tier == "nvme" else zinf.Offload(tier)
+    tx = optax.lamb(3e-3, eps=1e-4) if rule == "lamb" else zinf.adamw(3e-3, weight_decay=0.1, clip_norm=1.0)
     eng = zinf.initialize(lambda: GPT(cfg, rngs=nnx.Rngs(0)), loss_fn=lm_loss,
                           config=zinf.ZeroConfig(offload_param=off, offload_optimizer=off, persistence_threshold=600),
-                          optimizer=zinf.adamw(3e-3, weight_decay=0.1, clip_norm=1.0))
+                          optimizer=tx)
     half = steps // 2  # then the same steps with the optimizer overlapped with the next forward: the same numbers
     mode = eng.mode
     losses = [eng.train_step(local(s))["loss"] for s in range(half)]

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-__all__ = ["Procs", "allreduce_sum"]
+__all__ = ["Procs", "allreduce_sum", "allgather"]
 
 
 class Procs:
@@ -41,3 +41,11 @@ def allreduce_sum(x: float) -> float:
     if jax.process_count() == 1:
         return x
     return float(np.sum(multihost_utils.process_allgather(np.float64(x))))
+
+
+def allgather(x: np.ndarray) -> np.ndarray:
+    """Every process's ``x`` (the same shape and dtype on each), stacked along a new first axis in process order
+    (``x[None]`` with one process)."""
+    if jax.process_count() == 1:
+        return np.asarray(x)[None]
+    return np.asarray(multihost_utils.process_allgather(np.asarray(x)))

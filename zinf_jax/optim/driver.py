@@ -45,7 +45,6 @@ from jax.profiler import TraceAnnotation
 
 from zinf_jax._internal.futures import all_of, is_future, wait_all
 from zinf_jax.config.zero import MOMENTS_DTYPES
-from zinf_jax.errors import ConfigError
 from zinf_jax.optim.grads_out import TierGrads
 from zinf_jax.optim.kernel import all_finite, sum_squares
 from zinf_jax.optim.rules import UpdateRule, make_rule
@@ -133,12 +132,7 @@ class StreamedOptimizer(MultiShardWork):
         self._max_chunk = max(self._chunk.values(), default=1)
         self.rule: UpdateRule = make_rule(spec, self.layouts, self._chunk)
         self._whole = {p for p in self.layouts if getattr(self.rule, "whole", lambda p: False)(p)}
-        for p in sorted(self._whole):  # See [Note: whole-tensor updates]
-            if len(self._local[p]) != self.layouts[p].num_shards:
-                raise ConfigError(f"optimizer: {p!r} needs its whole tensor for its update "
-                                  f"({self.rule.why.get(p, 'a whole-tensor rule')}), but this process holds "
-                                  f"{len(self._local[p])} of its {self.layouts[p].num_shards} shards. Fix: an "
-                                  "element-wise transform in a multi-process job, or one process", field="optimizer")
+        self._holders = self._whole_holders()  # See [Note: whole-tensor updates]
         self._names = {path: ("master", *self.rule.state_names(path)) for path in self.layouts}
         self._n_arrays = max((len(v) for v in self._names.values()), default=1)
         self._work: list[Group | Pack] = self._plan()

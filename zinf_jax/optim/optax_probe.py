@@ -41,7 +41,8 @@ import numpy as np
 
 from zinf_jax.optim.subgroups import sub_groups
 
-__all__ = ["PROBE_ELEMENTS", "Cut", "Verdict", "classify", "signature", "tensor_coupling", "nest", "leaf"]
+__all__ = ["PROBE_ELEMENTS", "Cut", "Verdict", "classify", "signature", "tensor_coupling", "nest", "leaf",
+           "host_device"]
 
 PROBE_ELEMENTS = 1 << 16
 """Parameters of at most this many elements are probed at their own shape; larger ones at a smaller
@@ -50,8 +51,11 @@ shape of the same rank, the same number of shards and the same number of chunks 
 _F32 = np.float32
 
 
-def _cpu() -> jax.Device:
-    return jax.devices("cpu")[0]
+def host_device() -> jax.Device:
+    """This process's first CPU device, where host-side optax programs run (``jax.devices("cpu")[0]`` is process
+    0's in a multi-process job, which other processes cannot read)."""
+    return jax.local_devices(backend="cpu")[0]
+
 
 
 def nest(keys: Sequence[str], x: Any) -> dict:
@@ -188,7 +192,7 @@ def signature(tx: Any, keys: Sequence[str], cut: Cut) -> str:
     (a mask or label that treats two paths alike gives them the same program)."""
     pc = cut.probe()
     spec = jax.ShapeDtypeStruct(pc.shape, jnp.float32)
-    with jax.default_device(_cpu()):
+    with jax.default_device(host_device()):
         jaxpr = jax.make_jaxpr(lambda p, g: _run(tx, keys, p, [g]))(spec, spec)
     return f"{pc}\n{jaxpr}"
 
@@ -213,7 +217,7 @@ def classify(tx: Any, keys: Sequence[str], cut: Cut, clip: float | None) -> Verd
     """
     pc = cut.probe()
     chunk_shape = pc.presented()
-    with jax.default_device(_cpu()):
+    with jax.default_device(host_device()):
         for shape in (pc.shape, chunk_shape):
             state = jax.eval_shape(tx.init, nest(keys, jax.ShapeDtypeStruct(shape, jnp.float32)))
             for x in jax.tree.leaves(state):
@@ -286,7 +290,7 @@ def tensor_coupling(tx: Any, probes: Sequence[tuple[Sequence[str], Cut]], clip: 
             us.append(leaf(ka, u))
         return jnp.stack(us)
 
-    with jax.default_device(_cpu()):
+    with jax.default_device(host_device()):
         alone, _ = _steps(tx, ka, pa, ga)
         both = np.asarray(jax.jit(pair)(pa, pb, *ga, *gb))
     if not _close(alone, both):

@@ -41,15 +41,12 @@ import numpy as np
 
 from zinf_jax.errors import ConfigError
 from zinf_jax.optim.optax_probe import Cut, classify, leaf, nest, signature, tensor_coupling
+from zinf_jax.optim.optax_probe import host_device
 from zinf_jax.optim.subgroups import Span
 
 __all__ = ["OptaxRule", "leading_global_clip", "as_transform"]
 
 _F32 = np.float32
-
-
-def _cpu() -> jax.Device:
-    return jax.devices("cpu")[0]
 
 
 def as_transform(tx: Any) -> Any:
@@ -159,7 +156,7 @@ class OptaxRule:
     # --- classification -------------------------------------------------------------
     def _chunk_info(self, keys: tuple[str, ...], cut: Cut) -> _PathInfo:
         shape = cut.presented()
-        with jax.default_device(_cpu()):
+        with jax.default_device(host_device()):
             state = jax.eval_shape(self.tx.init, nest(keys, jax.ShapeDtypeStruct(shape, jnp.float32)))
         leaves, treedef = jax.tree.flatten(state)
         kinds = tuple("elem" if tuple(x.shape) == shape else "scalar" for x in leaves)  # (classify checked)
@@ -168,7 +165,7 @@ class OptaxRule:
     def _whole_info(self, path: str, keys: tuple[str, ...], lay: Any) -> _PathInfo:
         shape = tuple(lay.shape)
         tx = self.tx
-        with jax.default_device(_cpu()):
+        with jax.default_device(host_device()):
             state = jax.eval_shape(tx.init, nest(keys, jax.ShapeDtypeStruct(shape, jnp.float32)))
             leaves, treedef = jax.tree.flatten(state)
             kinds = tuple("elem" if tuple(x.shape) == shape else "scalar" if x.shape == () else "odd" for x in leaves)
@@ -202,7 +199,7 @@ class OptaxRule:
         """``fn`` compiled for arguments like ``args`` on the host, once per distinct lowered program *and* input
         types (``jax.jit`` drops arguments a program never reads, so programs of different shapes can share a
         text: a stateless transform, a masked branch)."""
-        with jax.default_device(_cpu()):
+        with jax.default_device(host_device()):
             lowered = jax.jit(fn).lower(*args)
         key = (lowered.as_text(), tuple((np.shape(a), str(np.result_type(a))) for a in jax.tree.leaves(args)))
         prog = self._by_key.get(key)
@@ -217,7 +214,7 @@ class OptaxRule:
             info = self._info[path]
             prog = self._inits[path] = self._compiled(
                 lambda p: jax.tree.leaves(self.tx.init(nest(info.keys, p.reshape(info.shape)))), (master,))
-        with jax.default_device(_cpu()):
+        with jax.default_device(host_device()):
             return prog(master)
 
     def _state(self, info: _PathInfo, elems: Sequence[Any], scalars: Sequence[Any], odd: Sequence[Any],
@@ -306,7 +303,7 @@ class OptaxRule:
         g = np.zeros_like(p)
         g[:valid] = grad
         args = (p, g, elems, self._scalars[path], np.float32(mult))
-        with jax.default_device(_cpu()):
+        with jax.default_device(host_device()):
             new_p, new_elems, new_scalars = self._program(path, args)(*args)
         p[:valid] = np.asarray(new_p)[:valid]
         for a, x in zip(elems, new_elems):
@@ -328,7 +325,7 @@ class OptaxRule:
         """
         p, *elems = arrays
         args = (p, grad, list(elems), self._odd[path], self._scalars[path], np.float32(mult))
-        with jax.default_device(_cpu()):
+        with jax.default_device(host_device()):
             new_p, new_elems, new_odd, new_scalars = self._whole_program(path, layout, shards, per_shard, args)(*args)
         np.copyto(p, np.asarray(new_p))
         for a, x in zip(elems, new_elems):

@@ -14,19 +14,29 @@ one buffer set (master, the rule's tier states and the gradient; member ``k`` at
 rule's :meth:`update_whole` run once on it, each chunk written back to its key and index, each shard's
 master handed to ``write_param``. Nothing about storage changes (the same keys and chunks as the
 element-wise path), so checkpoints, restore and ``params()`` see the same data; the buffer pool's sets
-are as large as the largest such parameter (times ``buffer_count``: the pipeline depth), which the
-estimator counts. The process must hold every shard of the parameter (a single-process job, or
-replicated params); otherwise the driver refuses the rule when it is built.
+are as large as the largest such parameter's local shards (times ``buffer_count``: the pipeline depth).
+
+In a multi-process job a process holds only its own shards. Each step it then gathers the other
+processes' shards of the master, states and gradient of such a parameter (one collective per parameter,
+in plan order, which is the same on every process), every process runs the rule on the whole tensor
+(the same program on the same numbers: the same result, the transform's small state included), and each
+keeps and writes its own shards. This costs, per parameter, a temporary of the whole tensor's arrays and
+a transfer of the other processes' shards. The driver checks when it is built that every process holds
+the same number of shards of each such parameter and that together they hold all of them (else a
+ConfigError naming the parameter).
 """
 from __future__ import annotations
 
 import time
 from typing import Any
 
+import jax
 import numpy as np
 from jax.profiler import TraceAnnotation
 
 from zinf_jax._internal.futures import is_future
+from zinf_jax._internal.multihost import allgather
+from zinf_jax.errors import ConfigError
 from zinf_jax.optim.grads_out import TierGrads
 from zinf_jax.optim.subgroups import BufferSet, Pack, Whole, work_name
 from zinf_jax.tiers.base import np_dtype
@@ -44,6 +54,9 @@ class MultiShardWork:
     state_dtype: str
     _names: dict
     _numel: dict
+    _local: dict
+    _whole: set
+    _holders: dict
 
     def _io_pack(self, bs: BufferSet, pk: Pack, read: bool) -> None:
         """:meth:`_io` of a pack: each member's states at its offset of the set's arrays (gradients too, from a
@@ -101,8 +114,16 @@ class MultiShardWork:
             g[s * wh.per_shard + numel:(s + 1) * wh.per_shard] = 0.0
         arrays = [a[:wh.size] for a in bs.arrays[:len(self._names[wh.path])]]
         with TraceAnnotation("zinf/optimizer_update", param=wh.path):
-            self.rule.update_whole(wh.path, self.layouts[wh.path], arrays, g, shards=len(shards),
-                                   per_shard=wh.per_shard, mult=mult)
+            if wh.path in self._holders:  # a multi-process job: every shard, gathered from all processes
+                *full, full_g = self._gather_whole(wh.path, [*arrays, g], wh.per_shard)
+                self.rule.update_whole(wh.path, self.layouts[wh.path], full, full_g,
+                                       shards=self.layouts[wh.path].num_shards, per_shard=wh.per_shard, mult=mult)
+                for a, f in zip(arrays, full):  # this process's shards of the result
+                    for s, i in enumerate(shards):
+                        a[s * wh.per_shard:(s + 1) * wh.per_shard] = f[i * wh.per_shard:(i + 1) * wh.per_shard]
+            else:
+                self.rule.update_whole(wh.path, self.layouts[wh.path], arrays, g, shards=len(shards),
+                                       per_shard=wh.per_shard, mult=mult)
         t_update = time.perf_counter() - t
         with TraceAnnotation("zinf/optimizer_write", param=wh.path):
             self._io(bs, wh, read=False)
@@ -112,6 +133,45 @@ class MultiShardWork:
             out = write_param(wh.path, i, arrays[0][s * wh.per_shard:s * wh.per_shard + numel].reshape(shape))
             bs.pending += [out] if is_future(out) else []
         return t_update, time.perf_counter() - t
+
+    def _whole_holders(self) -> dict[str, np.ndarray]:
+        """Per whole-tensor parameter of which this process holds only some shards: which shards each process
+        holds (``[process, k]``: shard index). Built with collectives: every process calls it when the driver is
+        built. See [Note: whole-tensor updates].
+
+        Raises:
+          ConfigError: the processes hold unequal numbers of a parameter's shards, or together not all of them.
+        """
+        paths = sorted(self._whole)
+        if not paths or jax.process_count() == 1:
+            return {}
+        counts = allgather(np.array([len(self._local[p]) for p in paths], np.int32))
+        out = {}
+        for j, p in enumerate(paths):
+            n = self.layouts[p].num_shards
+            held = allgather(np.array(self._local[p], np.int32)) if len(set(counts[:, j])) == 1 else None
+            if held is None or set(held.ravel().tolist()) != set(range(n)):
+                raise ConfigError(
+                    f"optimizer: {p!r} needs its whole tensor for its update ({self.rule.why.get(p, 'a whole-tensor rule')}), "
+                    f"and the processes hold {counts[:, j].tolist()} of its {n} shards (every process must hold as many, "
+                    "all of them together). Fix: shard it over axes every process spans (zero_axes), or an "
+                    "element-wise transform", field="optimizer")
+            if len(self._local[p]) != n:
+                out[p] = held
+        return out
+
+    def _gather_whole(self, path: str, local: list[np.ndarray], per_shard: int) -> list[np.ndarray]:
+        """``local`` (this process's shards of each array, shard ``s`` at ``s * per_shard``) as the whole
+        parameter's arrays (shard ``i`` at ``i * per_shard``), gathered from every process in one collective."""
+        held = self._holders[path]
+        k = held.shape[1]
+        got = allgather(np.stack([a[:k * per_shard] for a in local]))  # [process, array, k * per_shard]
+        full = [np.empty(self.layouts[path].num_shards * per_shard, np.float32) for _ in local]
+        for proc, row in enumerate(held):
+            for s, i in enumerate(row):
+                for f, g in zip(full, got[proc]):
+                    f[i * per_shard:(i + 1) * per_shard] = g[s * per_shard:(s + 1) * per_shard]
+        return full
 
     def _update_pack(self, bs: BufferSet, pk: Pack, grad, write_params, *, step: int, lr: float,
                      mult: np.float32) -> tuple[float, float]:
