@@ -40,8 +40,10 @@ from zinf_jax.config import ZeroConfig
 from zinf_jax.engine.host_budget import buffer_set_bytes
 from zinf_jax.engine.wrap import make_adapter, trainable_paths
 from zinf_jax.estimate_step import StepDigest, simulate, step_io
+from zinf_jax.optim.choose import with_clipping
 from zinf_jax.optim.fused import MOVE_IN_AHEAD
 from zinf_jax.optim.grads_out import IN_RAM_BELOW, ram_bytes
+from zinf_jax.optim.rules import WholeSets, make_rule, whole_sets
 from zinf_jax.optim.subgroups import PACK_BELOW, PACK_ELEMENTS, pool_geometry, sub_groups
 from zinf_jax.plan.host_memory import HostPlan, HostSizes, plan_host
 from zinf_jax.plan.partition import local_shard_devices, make_mesh, plan_partition
@@ -258,8 +260,9 @@ def _estimate(d: StepDigest, config: ZeroConfig, pt: str, ot: str, platform: str
 
     # float32 master, m, v (and the gradient read back); bf16 moments add their narrow staging buffers
     staging_bf16 = 2 * 2 if config.moments_dtype == "bfloat16" else 0
+    per_set = max((12 + 4 * (grads_out or d.packs) + staging_bf16) * d.max_chunk, d.whole.set_bytes)
     buffers = (min(d.opt, MOVE_IN_AHEAD) if moved_in else min(config.offload_optimizer.buffer_count, d.groups)
-               * (12 + 4 * (grads_out or d.packs) + staging_bf16) * d.max_chunk + d.assembly)
+               * per_set + d.assembly + d.whole.gather_bytes)
     if grads_out:  # the small shards stay in RAM as the backward produces them
         host_fb = {**host_fb, "grad_sink": host_fb.get("grad_sink", 0) + d.grad_ram}
     host = max([{**host_fb, "param_tier": cpu_p, "optimizer_state": cpu_o},
@@ -279,8 +282,8 @@ def _estimate(d: StepDigest, config: ZeroConfig, pt: str, ot: str, platform: str
     staging = (pt == "nvme") * (1 + config.prefetch_depth) * max(d.unit_held, default=0) + (ot == "nvme") * buffers
     sizes = HostSizes(unit_held=d.unit_held, unit_gathered=d.unit_gathered, params_on_nvme=pt == "nvme",
                       device_is_host=platform == "cpu",
-                      buffer_set=buffer_set_bytes(config, grads_out, d.packs, d.max_chunk), sets=d.groups,
-                      assembly=d.assembly, optimizer_on_nvme=ot == "nvme",
+                      buffer_set=max(buffer_set_bytes(config, grads_out, d.packs, d.max_chunk), d.whole.set_bytes),
+                      sets=d.groups, assembly=d.assembly + d.whole.gather_bytes, optimizer_on_nvme=ot == "nvme",
                       grad_ram=d.grad_ram if grads_out else d.grad,
                       grad_unit=max(d.unit_grad, default=0) if grads_out else 0, resident_tiers=cpu_p + cpu_o)
     host_plan = plan_host(sizes, runtime=RUNTIME_OVERHEAD.get(platform, RUNTIME_OVERHEAD["gpu"])[1],
@@ -377,10 +380,11 @@ def estimate_from_sizes(
     return [_estimate(d, config, pt, ot, platform) for pt, ot in configurations]
 
 
-def _pool(config: ZeroConfig, shards: list[tuple[int, int]]) -> dict[str, Any]:
-    """The optimizer's buffer-set geometry for ``(elements, count)`` shards (the driver's packs included)."""
+def _pool(config: ZeroConfig, shards: list[tuple[int, int]], extra: int = 0) -> dict[str, Any]:
+    """The optimizer's buffer-set geometry for ``(elements, count)`` shards (the driver's packs included), and
+    ``extra`` more units of work (whole-tensor parameters)."""
     groups, size, packs = pool_geometry(shards, config.sub_group_size, PACK_BELOW, PACK_ELEMENTS)
-    return {"groups": max(groups, 1), "max_chunk": size, "packs": packs}
+    return {"groups": max(groups + extra, 1), "max_chunk": size, "packs": packs}
 
 
 def _warn_unmodelled(config: ZeroConfig) -> None:
@@ -435,7 +439,7 @@ def estimate_from_model(
     model: Callable[[], Any] | Any, *, config: ZeroConfig | None = None, mesh: Any = None, batch: int | None = None,
     seq: int | None = None, init_args: tuple = (), init_kwargs: Mapping[str, Any] | None = None,
     loss_fn: Callable | None = None, example_batch: Any = None, unit_policy: Any = None,
-    configurations: Iterable[tuple[str, str]] = CONFIGURATIONS, trainable: Any = None,
+    configurations: Iterable[tuple[str, str]] = CONFIGURATIONS, trainable: Any = None, optimizer: Any = None,
 ) -> list[MemoryEstimate]:
     """Estimates a Flax model from its real units and layouts, for each configuration.
 
@@ -454,6 +458,9 @@ def estimate_from_model(
       configurations: ``(param tier, optimizer tier)`` pairs (default: all six).
       trainable: as for ``initialize``: frozen parameters get no gradient,
         master copy or optimizer state (default: all trained).
+      optimizer: as for ``initialize``: an optax transform that updates some parameters whole tensor by tensor
+        makes the host update's buffer sets as large as the largest of them (default: zinf's Adam, chunk by
+        chunk). The state's bytes are Adam's either way.
 
     Raises:
       ValueError: no batch given.
@@ -487,6 +494,7 @@ def estimate_from_model(
     for p in layouts:
         chunk[p], n_chunks[p] = sub_groups(numel[p], config.sub_group_size)
     calls, rests, out, flops = _trace_calls(adapter, dtype_of, layouts, loss_fn, example)
+    whole = _whole_sets(optimizer, config, {p: layouts[p] for p in trained}, shards, P)
     on_disk = functools.partial(_on_disk, chunk_bytes=config.aio.chunk_bytes)
     padded = functools.partial(_padded, chunk_bytes=config.aio.chunk_bytes)
     unit = lambda f: tuple(sum(f(p) for p in u.param_paths) for u in adapter.units)  # noqa: E731
@@ -513,12 +521,22 @@ def estimate_from_model(
                                                 + 2 * on_disk((chunk[p],), _moment_bytes(config))) for p in trained),
         opt_io=sum(n_chunks[p] * shards[p] * (padded((chunk[p],), 4) + 2 * padded((chunk[p],), _moment_bytes(config)))
                    for p in trained),
-        **_pool(config, [(numel[p], shards[p]) for p in trained]),
+        **_pool(config, [(numel[p], shards[p]) for p in trained if p not in whole.paths], extra=len(whole.paths)),
         assembly=4 * max((numel[p] for p in trained if n_chunks[p] > 1), default=0),
         param_meta=sum(_KEY_METADATA_BYTES + len(p) + 3 * shards[p] for p in layouts),
         workspace=3 * out // (P * n_local),  # the largest unit output (logits): itself, f32 copy, cotangent
-        forward_flops=flops)
+        forward_flops=flops, whole=whole)
     return [_estimate(d, config, pt, ot, platform) for pt, ot in configurations]
+
+
+def _whole_sets(optimizer: Any, config: ZeroConfig, layouts: Mapping[str, Any], shards: Mapping[str, int],
+                processes: int) -> WholeSets:
+    """The buffers of ``optimizer``'s whole-tensor parameters, as the engine plans them (none without one)."""
+    if optimizer is None:
+        return WholeSets()
+    rule = make_rule(with_clipping(optimizer, config.gradient_clipping), layouts,
+                     {p: sub_groups(math.prod(lay.shard_shape), config.sub_group_size)[0] for p, lay in layouts.items()})
+    return whole_sets(rule, layouts, shards, config.sub_group_size, processes)
 
 
 def estimate(model: Any = None, /, **kwargs: Any) -> list[MemoryEstimate]:

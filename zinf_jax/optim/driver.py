@@ -94,6 +94,8 @@ class StreamedOptimizer(MultiShardWork):
         ``"bfloat16"`` (half the bytes on disk and in every read and write). See [Note: bf16 moments].
       pack_below: whole shards of at most this many elements are updated in packs (``0``: none); see
         [Note: packs] in :mod:`~zinf_jax.optim.subgroups`.
+      rule: ``make_rule(spec, layouts, chunks)`` built already (the engine plans its buffers from it first);
+        default: built here.
     """
 
     def __init__(self, spec: Any, tier: Tier, layouts: Mapping[str, ParamLayout], *,
@@ -102,7 +104,8 @@ class StreamedOptimizer(MultiShardWork):
                  sub_group_size: int, buffer_count: int = 4,
                  loss_scale: LossScaleConfig | None = None,
                  allreduce: Callable[[float], float] = lambda x: x,
-                 grad_tier: Tier | None = None, state_dtype: str = "float32", pack_below: int = PACK_BELOW):
+                 grad_tier: Tier | None = None, state_dtype: str = "float32", pack_below: int = PACK_BELOW,
+                 rule: UpdateRule | None = None):
         if sub_group_size < 1 or buffer_count < 1:
             raise ValueError(f"need sub_group_size >= 1 and buffer_count >= 1, got {sub_group_size}, {buffer_count}")
         if state_dtype not in MOMENTS_DTYPES:
@@ -130,7 +133,7 @@ class StreamedOptimizer(MultiShardWork):
                 for c in range(n):
                     self._groups.append(Group(path, i, c, c * chunk, min(chunk, numel - c * chunk), n, i * n + c))
         self._max_chunk = max(self._chunk.values(), default=1)
-        self.rule: UpdateRule = make_rule(spec, self.layouts, self._chunk)
+        self.rule: UpdateRule = make_rule(spec, self.layouts, self._chunk) if rule is None else rule
         self._whole = {p for p in self.layouts if getattr(self.rule, "whole", lambda p: False)(p)}
         self._holders = self._whole_holders()  # See [Note: whole-tensor updates]
         self._names = {path: ("master", *self.rule.state_names(path)) for path in self.layouts}

@@ -16,15 +16,17 @@ key ``f"{name}/{path}"`` in the optimizer tier.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any, Hashable, Mapping, Protocol, Sequence
 
 import numpy as np
 
 from zinf_jax.errors import ConfigError
 from zinf_jax.optim.adam import AdamSpec, adam_update_shard
-from zinf_jax.optim.subgroups import Span
+from zinf_jax.optim.subgroups import Span, sub_groups
 
-__all__ = ["UpdateRule", "AdamRule", "make_rule"]
+__all__ = ["UpdateRule", "AdamRule", "make_rule", "WholeSets", "whole_sets"]
 
 
 class UpdateRule(Protocol):
@@ -132,3 +134,42 @@ def make_rule(optimizer: Any, layouts: Mapping[str, Any], chunks: Mapping[str, i
         return OptaxRule(optimizer, layouts, chunks)
     raise ConfigError(f"optimizer: takes zinf_jax.adamw(...)/adam(...), an optax GradientTransformation or an "
                       f"optax.MultiSteps, got {type(optimizer).__name__}", field="optimizer")
+
+
+@dataclasses.dataclass(frozen=True)
+class WholeSets:
+    """What the parameters a rule updates whole tensor by tensor add to the streamed step's host buffers
+    ([Note: whole-tensor updates] in :mod:`~zinf_jax.optim.work`).
+
+    Attributes:
+      elements: elements of one buffer set (the largest such parameter's local shards, padded to whole
+        sub-groups; 0: none).
+      arrays: float32 arrays of a set (master, the most states of any parameter, the gradient).
+      gather_bytes: a multi-process job's temporaries while one such parameter is gathered (every process's
+        shards as received, and the whole tensor's arrays; 0 with one process).
+      paths: the parameters updated whole (each one unit of the step's work, never cut nor packed).
+    """
+
+    elements: int = 0
+    arrays: int = 0
+    gather_bytes: int = 0
+    paths: frozenset = frozenset()
+
+    @property
+    def set_bytes(self) -> int:
+        """Bytes of one buffer set this large."""
+        return 4 * self.elements * self.arrays
+
+
+def whole_sets(rule: Any, layouts: Mapping[str, Any], shards: Mapping[str, int], sub_group_size: int,
+               processes: int = 1) -> WholeSets:
+    """The buffer geometry :class:`~zinf_jax.optim.driver.StreamedOptimizer` allocates for ``rule``'s
+    whole-tensor parameters among ``layouts`` (``shards``: how many of each this process stores)."""
+    whole = [p for p in layouts if getattr(rule, "whole", lambda p: False)(p)]
+    if not whole:
+        return WholeSets()
+    arrays = 2 + max(len(rule.state_names(p)) for p in layouts)  # master, states, gradient
+    padded = {p: math.prod(sub_groups(math.prod(layouts[p].shard_shape), sub_group_size)) for p in whole}
+    gather = max(4 * arrays * padded[p] * (layouts[p].num_shards + processes * shards[p]) for p in whole)
+    return WholeSets(elements=max(shards[p] * padded[p] for p in whole), arrays=arrays,
+                     gather_bytes=gather if processes > 1 else 0, paths=frozenset(whole))
