@@ -143,7 +143,8 @@ def test_checkpoint_mid_run_restores_on_another_mesh(tmp_path, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, where", [("lamb", "cpu"), ("multi_transform", "nvme"), ("adafactor", "none")])
+@pytest.mark.parametrize("name, where", [("lamb", "cpu"), ("multi_transform", "nvme"), ("adafactor", "none"),
+                                         ("muon", "nvme-device")])
 def test_train_steps_overlapped_matches_plain_jit(tmp_path, references, name, where):
     """``train_steps`` (each step's optimizer overlapped with the next forward, parameters handed out as they are
     written) with whole-tensor rules: the numbers of plain jit + optax."""
