@@ -95,7 +95,7 @@ def test_hf_shape_trains_with_auto_filled_from_the_flags(tmp_path, capsys, engin
     names = {ln[2:25].strip() for ln in rows}
     for name in ("param tier", "optimizer tier", "compute dtype", "moments dtype", "optimizer", "learning rate",
                  "weight decay", "lr schedule", "gradient clipping", "gradient accumulation", "batch",
-                 "persistence threshold", "loss scaling", "seed", "engine", "nvme update"):
+                 "persistence threshold", "loss scaling", "seed", "engine", "nvme update", "optimizer update"):
         assert name in names, name
     assert all(ln.split(" <- ", 1)[1].strip() for ln in rows)  # every setting has its source
     unused = [ln.strip() for ln in table if " <- " not in ln]
@@ -195,12 +195,33 @@ def test_seed_clip_and_dtype_flags_change_the_run(tmp_path, engines):
     assert (ea.compute_dtype, eb.compute_dtype) == ("bfloat16", "float32")  # the file's bf16, then the flag's
 
 
+def test_optimizer_update_device_moves_the_files_nvme_state_to_the_devices_for_the_update(tmp_path, capsys, engines):
+    """A DeepSpeed file that keeps the optimizer on nvme, and ``--optimizer-update device``: the state stays on
+    nvme between steps and the step's program updates it (the flag's default, host, otherwise)."""
+    (tmp_path / "swap").mkdir()
+    cfg = _write(tmp_path / "ds.json", {
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "swap")}},
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}, "train_batch_size": 8})
+    assert _run(tmp_path, cfg, "--steps", "2", "--optimizer-update", "device") == 0
+    (tmp_path / "swap2").mkdir()
+    assert _run(tmp_path, cfg, "--steps", "2", "--nvme-dir", str(tmp_path / "swap2"), name="host") == 0
+    (dev, config), (host, _) = engines
+    assert config.optimizer_update == "device" and dev.opt_tier.kind == "nvme" and dev.mode == "compiled"
+    assert dev.optimizer.last_stats.get("in_program") == 1.0 and "in_program" not in host.optimizer.last_stats
+    assert [m["loss"] for m in _metrics(tmp_path)] == pytest.approx([m["loss"] for m in _metrics(tmp_path, "host")],
+                                                                    rel=1e-5)
+    assert "optimizer update       device" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("ds, flags, message", [
     ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}, ["--nvme-dir", "SWAP"],
      "--nvme-dir SWAP: no tier is on nvme (params on none, optimizer on cpu"),
     ({"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}, ["--warmup", "5"],
      "--warmup 5: DS has an optimizer section and no scheduler"),
     ({"zero_optimization": {"stage": 3}}, ["--nvme-update", "double_slot"], "--nvme-update double_slot: no tier"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}},
+     ["--optimizer-update", "device"], "optimizer_update='device': the update cannot run in the step's program with "
+     "params on 'cpu' and optimizer on 'cpu' (params must be in device memory)"),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "SWAP"}}}, [],
      "DS: zero_optimization.offload_param.nvme_path 'SWAP' does not exist; create it, set "
      "zero_optimization.offload_param.nvme_path to a directory on a local disk, or give --nvme-dir DIR"),

@@ -85,6 +85,8 @@ def check_args(args: Any) -> None:
             raise _bad(field, getattr(args, field), "one of " + ", ".join(TIERS))
     if args.nvme_update not in ("in_place", "double_slot"):
         raise _bad("nvme_update", args.nvme_update, "in_place or double_slot")
+    if args.optimizer_update not in ("host", "device"):
+        raise _bad("optimizer_update", args.optimizer_update, "host or device")
     if args.engine not in ENGINES:
         raise _bad("engine", args.engine, "one of " + ", ".join(ENGINES))
     if args.compute_dtype is not None and args.compute_dtype not in COMPUTE_DTYPES:
@@ -144,6 +146,8 @@ def allowed(field: str) -> str | None:
         return "one of " + ", ".join(TIERS)
     if field == "nvme_update":
         return "in_place or double_slot"
+    if field == "optimizer_update":
+        return "host or device"
     if field == "engine":
         return "one of " + ", ".join(ENGINES)
     if field == "moments_dtype":

@@ -77,7 +77,7 @@ def _flag_help(name: str, doc: str, default: object) -> str:
 
 
 _METAVARS = {"run_dir": "DIR", "nvme_dir": "DIR", "tensorboard": "DIR", "profile": "DIR", "config": "FILE",
-             "deepspeed_config": "FILE", "compute_dtype": "DTYPE", "param_device": "TIER", "optimizer_device": "TIER", "nvme_update": "MODE", "engine": "ENGINE", "moments_dtype": "DTYPE",
+             "deepspeed_config": "FILE", "compute_dtype": "DTYPE", "param_device": "TIER", "optimizer_device": "TIER", "nvme_update": "MODE", "optimizer_update": "WHERE", "engine": "ENGINE", "moments_dtype": "DTYPE",
              "coordinator": "HOST:PORT"}
 
 

@@ -11,8 +11,8 @@ its source. Rules:
   ``--d-model`` for the hidden-size rules);
 * a flag given explicitly overrides the file (tiers, ``--nvme-dir``, clip, thresholds, dtypes,
   accumulation, batch, lr, weight decay, warmup); one that cannot apply is an error naming why;
-* flags a DeepSpeed file has no key for (``--seed``, ``--engine``, ``--nvme-update``) always apply; a zinf
-  config has these keys, so there only the flags given explicitly replace them.
+* flags a DeepSpeed file has no key for (``--seed``, ``--engine``, ``--nvme-update``, ``--optimizer-update``)
+  always apply; a zinf config has these keys, so there only the flags given explicitly replace them.
 """
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ def flags_config(args: Any) -> ZeroConfig:
     off = lambda d: Offload(d, path=nvme if d == "nvme" else None)  # noqa: E731
     return ZeroConfig(offload_param=off(args.param_device), offload_optimizer=off(args.optimizer_device),
                       gradient_clipping=args.clip, seed=args.seed, persistence_threshold=args.persistence_threshold,
-                      nvme_update=args.nvme_update, engine=args.engine, moments_dtype=args.moments_dtype,
+                      nvme_update=args.nvme_update, optimizer_update=args.optimizer_update, engine=args.engine,
+                      moments_dtype=args.moments_dtype,
                       compute_dtype=args.compute_dtype, gradient_accumulation_steps=args.gradient_accumulation_steps)
 
 
@@ -124,7 +125,8 @@ class _Flags:
                 self.note(row, getattr(a, field), field)
         if "compute_dtype" in g:
             self._dtype(a.compute_dtype)
-        for field, row in (("seed", "seed"), ("engine", "engine"), ("nvme_update", "nvme update")):
+        for field, row in (("seed", "seed"), ("engine", "engine"), ("nvme_update", "nvme update"),
+                           ("optimizer_update", "optimizer update")):
             if field in g or self.res is not None:  # a zinf config has these keys; a DeepSpeed file has none
                 self.replace(**{field: getattr(a, field)})
                 self.note(row, getattr(a, field), field, "" if field in g else "; the file has no such key: the "

@@ -87,6 +87,8 @@ class TrainArgs:
         ``compiled`` (one XLA program per step; param tier none or cpu) or ``streamed``.
       moments_dtype: storage of the Adam moments: ``float32``, or ``bfloat16`` (half their bytes on disk
         and in each step's I/O; float32 arithmetic, rounded to nearest even when stored).
+      optimizer_update: ``host`` (the streamed CPU update of an optimizer on cpu or nvme) or ``device`` (that
+        state moved to the devices and updated in the step's program; needs ``--param-device none``).
       nvme_update: ``in_place`` (one copy on disk; a step killed half-way is rebuilt from the
         checkpoint by ``resume``) or ``double_slot`` (every step durable, twice the disk).
       save_every: checkpoint period in steps (0: only at the end and on a signal).
@@ -142,6 +144,7 @@ class TrainArgs:
     optimizer_device: str = "nvme"
     engine: str = "auto"
     moments_dtype: str = "float32"
+    optimizer_update: str = "host"
     nvme_update: str = "in_place"
     save_every: int = 50
     keep: int = 0
