@@ -23,8 +23,9 @@ def two_processes(tmp_path_factory):
     work = tmp_path_factory.mktemp("two")
     (work / "nvme").mkdir()
     (work / "nvme-lamb").mkdir()
+    (work / "nvme-device").mkdir()
     port = str(free_port())
-    runs = ("cpu", "nvme", "nvme-lamb")
+    runs = ("cpu", "nvme", "nvme-lamb", "nvme-device")
     outs = last_json(start([[str(WORKERS / "mp_worker.py"), str(i), "2", port, str(work), str(STEPS), ",".join(runs)]
                             for i in range(2)], job_env(jax_cache=True)))
     return {tiers: [o[tiers] for o in outs] for tiers in runs}, work
@@ -80,6 +81,16 @@ def test_two_processes_run_a_whole_tensor_rule_as_plain_jit(two_processes):
     ref, _ = optax_run(GPT(cfg, rngs=nnx.Rngs(0)), optax.lamb(3e-3, eps=1e-4),
                        [batch_at(data, s, 8, cfg.seq) for s in range(STEPS)])
     np.testing.assert_allclose(outs[0]["losses"], ref, rtol=1e-5)
+
+
+def test_two_processes_update_nvme_state_on_the_devices_as_one_process_on_the_host(two_processes):
+    """``optimizer_update="device"`` as a 2-process job: each process moves its own shards of the nvme state to its
+    devices, one program over both updates them; the losses of the single-process host update (rtol 1e-5)."""
+    outs = two_processes[0]["nvme-device"]
+    assert [o["mode"] for o in outs] == ["compiled", "compiled"] and [o["in_program"] for o in outs] == [1.0, 1.0]
+    assert outs[0]["losses"] == outs[1]["losses"]
+    assert outs[0]["manifests"] == ["optimizer/process_0/MANIFEST.json", "optimizer/process_1/MANIFEST.json"]
+    np.testing.assert_allclose(outs[0]["losses"], _single("cpu"), rtol=1e-5)
 
 
 def _chunks(root):

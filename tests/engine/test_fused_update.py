@@ -214,7 +214,7 @@ def test_a_fused_checkpoint_continues_in_the_streamed_engine_and_back(tmp_path):
 
 
 def test_what_keeps_the_update_on_the_host():
-    """Accumulation, fp16 loss scaling, other tiers, the streamed engine, a multi-process job, a cut shard: the
+    """Accumulation, fp16 loss scaling, other tiers, the streamed engine, a cut shard: the
     streamed update, as before (each is trained that way by the engine's other tests). An optax transform runs in
     the program too (tests/optim/test_optax_parity.py)."""
     base = dict(compiled=True, param_tier="none", opt_tier="none", accumulation=1, loss_scaling=False,

@@ -3,7 +3,8 @@
 
 Usage: python mp_worker.py PROCESS_ID NUM_PROCESSES PORT WORKDIR STEPS [TIERS]
 TIERS: comma-separated, each ``nvme`` (the streamed engine) or ``cpu`` (params and optimizer in host RAM: the
-compiled engine), zinf's AdamW; or ``nvme-lamb`` (nvme, ``optax.lamb``: a whole-tensor rule); default ``nvme``.
+compiled engine), zinf's AdamW; or ``nvme-lamb`` (nvme, ``optax.lamb``: a whole-tensor rule), or ``nvme-device``
+(params in device memory, the optimizer state on nvme updated in the step's program); default ``nvme``.
 Prints one JSON line: {tier: {"process": i, "mode": ..., "losses": [...], "manifests": [...], ...}}.
 """
 import json
@@ -42,18 +43,20 @@ def run(tiers):
     tier, _, rule = tiers.partition("-")
     off = zinf.Offload("nvme", path=work) if tier == "nvme" else zinf.Offload(tier)
     tx = optax.lamb(3e-3, eps=1e-4) if rule == "lamb" else zinf.adamw(3e-3, weight_decay=0.1, clip_norm=1.0)
-    eng = zinf.initialize(lambda: GPT(cfg, rngs=nnx.Rngs(0)), loss_fn=lm_loss,
-                          config=zinf.ZeroConfig(offload_param=off, offload_optimizer=off, persistence_threshold=600),
-                          optimizer=tx)
+    config = (zinf.ZeroConfig(offload_optimizer=off, optimizer_update="device", persistence_threshold=600)
+              if rule == "device" else
+              zinf.ZeroConfig(offload_param=off, offload_optimizer=off, persistence_threshold=600))
+    eng = zinf.initialize(lambda: GPT(cfg, rngs=nnx.Rngs(0)), loss_fn=lm_loss, config=config, optimizer=tx)
     half = steps // 2  # then the same steps with the optimizer overlapped with the next forward: the same numbers
     mode = eng.mode
     losses = [eng.train_step(local(s))["loss"] for s in range(half)]
     losses += [m["loss"] for m in eng.train_steps(local(s) for s in range(half, steps))]
+    in_program = eng.optimizer.last_stats.get("in_program", 0.0)
     eng.close()
     files = sorted(os.path.relpath(os.path.join(r, f), work) for r, _, fs in os.walk(work) for f in fs
                    if f == "MANIFEST.json")
     return {"process": pid, "mode": mode, "losses": losses, "manifests": files, "devices": jax.device_count(),
-            "local": jax.local_device_count()}
+            "local": jax.local_device_count(), "in_program": in_program}
 
 
 print(json.dumps({tiers: run(tiers) for tiers in tiers_list}), flush=True)

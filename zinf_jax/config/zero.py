@@ -164,7 +164,7 @@ class ZeroConfig:
     memory), and the new state goes back to its tier (MaxText's ``optimizer_memory_host_offload``): state
     parked off the devices between steps, the update at device speed, device memory holding the whole state
     during the step. Needs what the in-program update needs (the compiled engine, params in device memory,
-    one process, no gradient accumulation or fp16 loss scaling, a shard within ``sub_group_size``): else a
+    no gradient accumulation or fp16 loss scaling, a shard within ``sub_group_size``): else a
     ConfigError at ``initialize`` naming what is missing. With the state in device memory
     (``offload_optimizer="none"``) the update runs in the program wherever it can, as ``"device"`` says."""
     prefetch_depth: int = checked(2, as_int, 0)

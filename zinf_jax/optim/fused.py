@@ -71,8 +71,6 @@ def fused_refusal(spec: Any, *, compiled: bool, param_tier: str, opt_tier: str, 
         return "fp16 loss scaling"
     if grad_tier:
         return "a gradient tier"
-    if jax.process_count() != 1:
-        return "a multi-process job"
     if largest_shard > sub_group_size:
         return f"sub_group_size {sub_group_size} cuts a shard of {largest_shard} elements"
     return None
@@ -143,8 +141,8 @@ class FusedAdam(StreamedOptimizer):
             reads = []
             for name in self._names[path]:
                 spec = self.tier.spec(f"{name}/{path}")
-                host = np.empty(len(self._local[path]) * spec.shard_shape[0], np_dtype(spec.dtype))
                 n = spec.shard_shape[0]
+                host = np.empty(len(self._local[path]) * n, np_dtype(spec.dtype))
                 futs = self.tier.get_many([(f"{name}/{path}", i, host[k * n:(k + 1) * n])
                                            for k, i in enumerate(self._local[path])])
                 reads.append((host, futs))
@@ -160,7 +158,8 @@ class FusedAdam(StreamedOptimizer):
             for host, futs in reads:
                 for f in futs:
                     f.result()
-                arr = jax.make_array_from_callback(host.shape, self._flat_sharding(path), lambda idx, h=host: h[idx])
+                n = host.shape[0] // len(self._local[path])
+                arr = self._global_flat(path, [host[k * n:(k + 1) * n] for k in range(len(self._local[path]))])
                 row.append(jax.block_until_ready(arr))
                 ahead -= host.nbytes
             yield path, row
@@ -175,9 +174,21 @@ class FusedAdam(StreamedOptimizer):
         return hit[1]
 
     def _assemble(self, path: str, shards: Sequence[Any]) -> jax.Array:
-        """The global flat array of a state from the tier's shards (a copy: only when the tier was written else)."""
-        host = np.concatenate([np.asarray(s).reshape(-1) for s in shards])
-        return jax.make_array_from_callback(host.shape, self._flat_sharding(path), lambda idx: host[idx])
+        """The global flat array of a state from this process's shards of it (``shards``: in the order of its
+        local indices; a copy: only when the tier was written else)."""
+        return self._global_flat(path, [np.asarray(s).reshape(-1) for s in shards])
+
+    def _global_flat(self, path: str, local: Sequence[np.ndarray]) -> jax.Array:
+        """The global flat array (shard ``i`` at ``i * numel``) whose addressable parts are this process's shards
+        ``local`` (flat, in the order of its local indices): each device gets the shard it holds."""
+        numel, lay = self._numel[path], self.layouts[path]
+        by_index = dict(zip(self._local[path], local))
+
+        def part(idx: tuple) -> np.ndarray:
+            start = idx[0].start or 0
+            return by_index[start // numel] if lay.dim is not None else by_index[0]
+
+        return jax.make_array_from_callback((lay.num_shards * numel,), self._flat_sharding(path), part)
 
     def adopt(self, paths: Sequence[str], states: Sequence[Sequence[jax.Array]]) -> None:
         """Makes the program's new states the tier's shards (no copy), and remembers them as the next step's inputs
