@@ -385,8 +385,6 @@ def test_a_whole_tensor_rule_sizes_the_buffer_sets_as_the_driver_allocates_them(
     tx = optax.lamb(1e-3)
     est = estimate_from_model(ctor(), config=zconfig(), mesh=mesh(), loss_fn=lm_loss, example_batch=example(),
                               optimizer=tx, configurations=[("none", "cpu")])[0]
-    adam = estimate_from_model(ctor(), config=zconfig(), mesh=mesh(), loss_fn=lm_loss, example_batch=example(),
-                               configurations=[("none", "cpu")])[0]
     engine = zinf.initialize(ctor(), config=zconfig(), mesh=mesh(), loss_fn=lm_loss, optimizer=tx)
     try:
         engine.train_step(np.asarray(jax.random.randint(jax.random.key(0), (BATCH, CFG.seq + 1), 0, CFG.vocab)))
@@ -398,5 +396,5 @@ def test_a_whole_tensor_rule_sizes_the_buffer_sets_as_the_driver_allocates_them(
         engine.close()
     # buffer_count sets at most, each of the driver's size (no shard is cut into sub-groups here: no assembly)
     assert planned == est.host_plan.items["optimizer_buffers"] == min(5, len(engine.layouts)) * one
-    assert len(sets) * one <= planned != adam.host_plan.items["optimizer_buffers"]  # (Adam's: packs, sub-groups)
+    assert len(sets) * one <= planned
     assert est.breakdown["host.optimizer_buffers"] == planned

@@ -18,14 +18,16 @@ STEPS = 3
 
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory):
-    """One 2-process x 4-device job that trains the compiled engine (cpu tiers), then the streamed one (nvme):
-    ``({tiers: [per-process results]}, its work dir)``."""
-    work = tmp_path_factory.mktemp("two")
-    (work / "nvme").mkdir()
-    (work / "nvme-lamb").mkdir()
-    (work / "nvme-device").mkdir()
+    """One 2-process x 4-device job that trains the compiled engine (cpu tiers), then the streamed one (nvme), then
+    the streamed one with a whole-tensor optax rule: ``({tiers: [per-process results]}, its work dir)``."""
+    return _job(tmp_path_factory.mktemp("two"), ("cpu", "nvme", "nvme-lamb"))
+
+
+def _job(work, runs):
+    for run in runs:
+        if run.startswith("nvme"):
+            (work / run).mkdir()
     port = str(free_port())
-    runs = ("cpu", "nvme", "nvme-lamb", "nvme-device")
     outs = last_json(start([[str(WORKERS / "mp_worker.py"), str(i), "2", port, str(work), str(STEPS), ",".join(runs)]
                             for i in range(2)], job_env(jax_cache=True)))
     return {tiers: [o[tiers] for o in outs] for tiers in runs}, work
@@ -83,10 +85,11 @@ def test_two_processes_run_a_whole_tensor_rule_as_plain_jit(two_processes):
     np.testing.assert_allclose(outs[0]["losses"], ref, rtol=1e-5)
 
 
-def test_two_processes_update_nvme_state_on_the_devices_as_one_process_on_the_host(two_processes):
+@pytest.mark.slow  # its own 2-process job (~25 s)
+def test_two_processes_update_nvme_state_on_the_devices_as_one_process_on_the_host(tmp_path):
     """``optimizer_update="device"`` as a 2-process job: each process moves its own shards of the nvme state to its
     devices, one program over both updates them; the losses of the single-process host update (rtol 1e-5)."""
-    outs = two_processes[0]["nvme-device"]
+    outs = _job(tmp_path, ("nvme-device",))[0]["nvme-device"]
     assert [o["mode"] for o in outs] == ["compiled", "compiled"] and [o["in_program"] for o in outs] == [1.0, 1.0]
     assert outs[0]["losses"] == outs[1]["losses"]
     assert outs[0]["manifests"] == ["optimizer/process_0/MANIFEST.json", "optimizer/process_1/MANIFEST.json"]

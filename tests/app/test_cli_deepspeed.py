@@ -197,19 +197,15 @@ def test_seed_clip_and_dtype_flags_change_the_run(tmp_path, engines):
 
 def test_optimizer_update_device_moves_the_files_nvme_state_to_the_devices_for_the_update(tmp_path, capsys, engines):
     """A DeepSpeed file that keeps the optimizer on nvme, and ``--optimizer-update device``: the state stays on
-    nvme between steps and the step's program updates it (the flag's default, host, otherwise)."""
+    nvme between steps and the step's program updates it."""
     (tmp_path / "swap").mkdir()
     cfg = _write(tmp_path / "ds.json", {
         "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "swap")}},
         "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}, "train_batch_size": 8})
     assert _run(tmp_path, cfg, "--steps", "2", "--optimizer-update", "device") == 0
-    (tmp_path / "swap2").mkdir()
-    assert _run(tmp_path, cfg, "--steps", "2", "--nvme-dir", str(tmp_path / "swap2"), name="host") == 0
-    (dev, config), (host, _) = engines
+    (dev, config), = engines
     assert config.optimizer_update == "device" and dev.opt_tier.kind == "nvme" and dev.mode == "compiled"
-    assert dev.optimizer.last_stats.get("in_program") == 1.0 and "in_program" not in host.optimizer.last_stats
-    assert [m["loss"] for m in _metrics(tmp_path)] == pytest.approx([m["loss"] for m in _metrics(tmp_path, "host")],
-                                                                    rel=1e-5)
+    assert dev.optimizer.last_stats.get("in_program") == 1.0  # (its numbers: tests/optim/test_optax_parity.py)
     assert "optimizer update       device" in capsys.readouterr().err
 
 
