@@ -382,19 +382,15 @@ def test_a_whole_tensor_rule_sizes_the_buffer_sets_as_the_driver_allocates_them(
     engine's host plan count sets of exactly the bytes the driver allocates."""
     import optax
 
-    tx = optax.lamb(1e-3)
-    est = estimate_from_model(ctor(), config=zconfig(), mesh=mesh(), loss_fn=lm_loss, example_batch=example(),
+    tx, cfg = optax.lamb(1e-3), TinyLMConfig(n_layers=1, d_model=32, vocab=64, seq=16)
+    est = estimate_from_model(ctor(cfg), config=zconfig(), mesh=mesh(), loss_fn=lm_loss, example_batch=example(cfg),
                               optimizer=tx, configurations=[("none", "cpu")])[0]
-    engine = zinf.initialize(ctor(), config=zconfig(), mesh=mesh(), loss_fn=lm_loss, optimizer=tx)
+    engine = zinf.initialize(ctor(cfg), config=zconfig(), mesh=mesh(), loss_fn=lm_loss, optimizer=tx)
     try:
-        engine.train_step(np.asarray(jax.random.randint(jax.random.key(0), (BATCH, CFG.seq + 1), 0, CFG.vocab)))
-        sets = engine.optimizer._sets
-        one = sum(a.nbytes for a in sets[0].arrays)
-        assert sets and all(sum(a.nbytes for a in s.arrays) == one for s in sets)
+        one = sum(a.nbytes for a in engine.optimizer._take().arrays)  # the set a step takes (allocated on first use)
         planned = engine.components.host_plan.items["optimizer_buffers"]
     finally:
         engine.close()
     # buffer_count sets at most, each of the driver's size (no shard is cut into sub-groups here: no assembly)
     assert planned == est.host_plan.items["optimizer_buffers"] == min(5, len(engine.layouts)) * one
-    assert len(sets) * one <= planned
     assert est.breakdown["host.optimizer_buffers"] == planned

@@ -22,6 +22,12 @@ the program (the host sums in float64), so a clipped step can differ from the st
 last bits of the multiplier. A non-finite gradient skips the step (every state and param unchanged)
 as in the streamed step. With an optax transform the program runs the transform instead
 (:mod:`~zinf_jax.optim.fused_optax`).
+
+With ``optimizer_update="device"`` the tier is a host or nvme one: each step reads every state's local
+shards from it (:meth:`FusedAdam._move_in`, a bounded read-ahead), puts them on the devices as the
+program's inputs, and :meth:`FusedAdam.adopt` writes the program's outputs back to the tier before the
+step commits; nothing is kept on the devices between steps. In a multi-process job each process moves
+only its own shards: the global arrays are built from them (:meth:`FusedAdam._global_flat`).
 """
 from __future__ import annotations
 
