@@ -43,7 +43,7 @@ from zinf_jax.estimate_step import StepDigest, simulate, step_io
 from zinf_jax.optim.choose import with_clipping
 from zinf_jax.optim.fused import MOVE_IN_AHEAD
 from zinf_jax.optim.grads_out import IN_RAM_BELOW, ram_bytes
-from zinf_jax.optim.rules import WholeSets, make_rule, whole_sets
+from zinf_jax.optim.rules import WholeSets, rule_for, whole_sets
 from zinf_jax.optim.subgroups import PACK_BELOW, PACK_ELEMENTS, pool_geometry, sub_groups
 from zinf_jax.plan.host_memory import HostPlan, HostSizes, plan_host
 from zinf_jax.plan.partition import local_shard_devices, make_mesh, plan_partition
@@ -534,8 +534,7 @@ def _whole_sets(optimizer: Any, config: ZeroConfig, layouts: Mapping[str, Any], 
     """The buffers of ``optimizer``'s whole-tensor parameters, as the engine plans them (none without one)."""
     if optimizer is None:
         return WholeSets()
-    rule = make_rule(with_clipping(optimizer, config.gradient_clipping), layouts,
-                     {p: sub_groups(math.prod(lay.shard_shape), config.sub_group_size)[0] for p, lay in layouts.items()})
+    rule = rule_for(with_clipping(optimizer, config.gradient_clipping), layouts, config.sub_group_size)
     return whole_sets(rule, layouts, shards, config.sub_group_size, processes)
 
 

@@ -31,16 +31,14 @@ class Procs:
 
     def gather(self, x: int) -> list[int]:
         """Every process's ``x`` (``[0]`` is process 0's: a broadcast)."""
-        if self.count == 1:
-            return [int(x)]
-        return [int(v) for v in np.ravel(multihost_utils.process_allgather(np.int32(x)))]
+        return [int(v) for v in np.ravel(allgather(np.int32(x)))]
 
 
 def allreduce_sum(x: float) -> float:
     """The sum of ``x`` over the job's processes (float64; ``x`` itself with one process)."""
     if jax.process_count() == 1:
         return x
-    return float(np.sum(multihost_utils.process_allgather(np.float64(x))))
+    return float(np.sum(allgather(np.float64(x))))
 
 
 def allgather(x: np.ndarray) -> np.ndarray:

@@ -39,8 +39,7 @@ from zinf_jax.engine.wrap import trainable_paths
 from zinf_jax.errors import ConfigError
 from zinf_jax.optim.choose import loss_scaling, with_clipping
 from zinf_jax.optim.driver import StreamedOptimizer
-from zinf_jax.optim.rules import make_rule, whole_sets
-from zinf_jax.optim.subgroups import sub_groups
+from zinf_jax.optim.rules import rule_for, whole_sets
 from zinf_jax.optim.fused import FusedAdam, fused_refusal
 from zinf_jax.plan.model_mesh import ModelMesh
 from zinf_jax.plan.partition import (ParamLayout, auto_axes, local_shard_devices, model_axes_of, owns_shard,
@@ -146,8 +145,7 @@ def build(adapter: Any, *, config: ZeroConfig, mesh: Mesh, optimizer: Any, init:
     spec = with_clipping(optimizer, config.gradient_clipping)
     opt_layouts = {p: l for p, l in layouts.items() if p in trained}
     local_of = local_indices_of(layouts, mesh)
-    rule = make_rule(spec, opt_layouts, {p: sub_groups(math.prod(l.shard_shape), config.sub_group_size)[0]
-                                         for p, l in opt_layouts.items()})
+    rule = rule_for(spec, opt_layouts, config.sub_group_size)
     whole = whole_sets(rule, opt_layouts, {p: len(local_of(p)) for p in opt_layouts}, config.sub_group_size,
                        jax.process_count())
     host_plan = plan_for(sizes_of(layouts, [u.param_paths for u in adapter.units], trained,

@@ -44,7 +44,7 @@ from zinf_jax.optim.driver import StreamedOptimizer
 from zinf_jax.optim.fused_optax import from_flat, optax_update, small_leaves, to_flat, whole_shape
 from zinf_jax.optim.kernel import AdamCoefficients
 from zinf_jax.optim.scaling import update_loss_scale
-from zinf_jax.plan.partition import ParamLayout, local_positions
+from zinf_jax.plan.partition import local_positions
 from zinf_jax.tiers.base import np_dtype
 
 __all__ = ["FusedAdam", "fused_refusal", "to_flat", "from_flat", "MOVE_IN_AHEAD"]
@@ -164,8 +164,7 @@ class FusedAdam(StreamedOptimizer):
             for host, futs in reads:
                 for f in futs:
                     f.result()
-                n = host.shape[0] // len(self._local[path])
-                arr = self._global_flat(path, [host[k * n:(k + 1) * n] for k in range(len(self._local[path]))])
+                arr = self._global_flat(path, np.split(host, len(self._local[path])))
                 row.append(jax.block_until_ready(arr))
                 ahead -= host.nbytes
             yield path, row

@@ -57,7 +57,6 @@ def host_device() -> jax.Device:
     return jax.local_devices(backend="cpu")[0]
 
 
-
 def nest(keys: Sequence[str], x: Any) -> dict:
     """``x`` as a one-leaf tree at ``keys`` (``{"blocks": {"0": {"kernel": x}}}``)."""
     tree: Any = x

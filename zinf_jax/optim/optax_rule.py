@@ -40,8 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zinf_jax.errors import ConfigError
-from zinf_jax.optim.optax_probe import Cut, classify, leaf, nest, signature, tensor_coupling
-from zinf_jax.optim.optax_probe import host_device
+from zinf_jax.optim.optax_probe import Cut, classify, host_device, leaf, nest, signature, tensor_coupling
 from zinf_jax.optim.subgroups import Span
 
 __all__ = ["OptaxRule", "leading_global_clip", "as_transform"]

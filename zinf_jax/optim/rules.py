@@ -26,7 +26,7 @@ from zinf_jax.errors import ConfigError
 from zinf_jax.optim.adam import AdamSpec, adam_update_shard
 from zinf_jax.optim.subgroups import Span, sub_groups
 
-__all__ = ["UpdateRule", "AdamRule", "make_rule", "WholeSets", "whole_sets"]
+__all__ = ["UpdateRule", "AdamRule", "make_rule", "rule_for", "WholeSets", "whole_sets"]
 
 
 class UpdateRule(Protocol):
@@ -134,6 +134,12 @@ def make_rule(optimizer: Any, layouts: Mapping[str, Any], chunks: Mapping[str, i
         return OptaxRule(optimizer, layouts, chunks)
     raise ConfigError(f"optimizer: takes zinf_jax.adamw(...)/adam(...), an optax GradientTransformation or an "
                       f"optax.MultiSteps, got {type(optimizer).__name__}", field="optimizer")
+
+
+def rule_for(optimizer: Any, layouts: Mapping[str, Any], sub_group_size: int) -> UpdateRule:
+    """:func:`make_rule` for ``layouts`` cut into the sub-groups the driver cuts them into (``sub_group_size``)."""
+    return make_rule(optimizer, layouts,
+                     {p: sub_groups(math.prod(lay.shard_shape), sub_group_size)[0] for p, lay in layouts.items()})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -119,8 +119,7 @@ class MultiShardWork:
                 self.rule.update_whole(wh.path, self.layouts[wh.path], full, full_g,
                                        shards=self.layouts[wh.path].num_shards, per_shard=wh.per_shard, mult=mult)
                 for a, f in zip(arrays, full):  # this process's shards of the result
-                    for s, i in enumerate(shards):
-                        a[s * wh.per_shard:(s + 1) * wh.per_shard] = f[i * wh.per_shard:(i + 1) * wh.per_shard]
+                    a.reshape(len(shards), wh.per_shard)[:] = f.reshape(-1, wh.per_shard)[shards]
             else:
                 self.rule.update_whole(wh.path, self.layouts[wh.path], arrays, g, shards=len(shards),
                                        per_shard=wh.per_shard, mult=mult)
@@ -163,15 +162,13 @@ class MultiShardWork:
     def _gather_whole(self, path: str, local: list[np.ndarray], per_shard: int) -> list[np.ndarray]:
         """``local`` (this process's shards of each array, shard ``s`` at ``s * per_shard``) as the whole
         parameter's arrays (shard ``i`` at ``i * per_shard``), gathered from every process in one collective."""
-        held = self._holders[path]
-        k = held.shape[1]
+        held = self._holders[path]  # [process, k]: shard indices
+        n_proc, k = held.shape
         got = allgather(np.stack([a[:k * per_shard] for a in local]))  # [process, array, k * per_shard]
-        full = [np.empty(self.layouts[path].num_shards * per_shard, np.float32) for _ in local]
-        for proc, row in enumerate(held):
-            for s, i in enumerate(row):
-                for f, g in zip(full, got[proc]):
-                    f[i * per_shard:(i + 1) * per_shard] = g[s * per_shard:(s + 1) * per_shard]
-        return full
+        got = got.reshape(n_proc, len(local), k, per_shard).transpose(1, 0, 2, 3).reshape(len(local), -1, per_shard)
+        full = np.empty((len(local), self.layouts[path].num_shards, per_shard), np.float32)
+        full[:, held.ravel()] = got  # (a shard two processes hold is written twice, with the same numbers)
+        return list(full.reshape(len(local), -1))
 
     def _update_pack(self, bs: BufferSet, pk: Pack, grad, write_params, *, step: int, lr: float,
                      mult: np.float32) -> tuple[float, float]:
