@@ -43,8 +43,13 @@ def gpt_reference():
     return reference_nnx(gpt_ctor(), tokens(mesh))
 
 
-@pytest.mark.parametrize("tier", ["device", "cpu", "nvme"])
-@pytest.mark.parametrize("depth", [0, 1, 2])
+_DIAGONAL = {(0, "device"), (1, "cpu"), (2, "nvme")}
+"""Each prefetch depth and each tier in the default suite once; the rest of the cross product is slow (suite time)."""
+
+
+@pytest.mark.parametrize("tier, depth", [
+    pytest.param(t, d, marks=() if (d, t) in _DIAGONAL else pytest.mark.slow)
+    for d in (0, 1, 2) for t in ("device", "cpu", "nvme")])
 def test_nnx_gpt_matches_value_and_grad(tier, depth, tmp_path, gpt_reference):
     ref_loss, ref_grads = gpt_reference
     ad = nnx_adapter(gpt_ctor(), THRESHOLD)
