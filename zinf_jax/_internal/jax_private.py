@@ -21,6 +21,10 @@ name                        from                                  used by
 ``join_effects``            ``jax._src.core`` (private)           ``engine/glue``
 ``convert_constvars_jaxpr`` ``jax._src.interpreters.partial_eval``  ``engine/adapters``
 ``dce_jaxpr``               ``jax._src.interpreters.partial_eval``  ``engine/adapters``
+``current_trace``           ``jax._src.core`` (private)           ``engine/glue``
+``jaxprs_in_params``        ``jax._src.core`` (private)           ``engine/unroll``
+``scan_p``                  ``jax._src.lax.control_flow`` (private)  ``engine/unroll``
+``bind_params``             ``jax._src.core`` (private)           ``engine/unroll``
 ``discharge_refs``          ``jax._src.state.discharge``          ``engine/adapters``
 ``distributed_client``      ``jax._src.distributed.global_state``  ``distributed/``
 ``preemption_sync_manager`` ``jax._src.distributed.global_state``  ``distributed/stop``
@@ -32,6 +36,7 @@ import inspect
 
 from jax._src import core as _core  # private: join_effects has no public home (JAX 0.10.2)
 from jax._src import distributed as _distributed  # private: the job's client (orbax reaches it the same way)
+from jax._src.lax.control_flow import loops as _loops  # private: the scan primitive (JAX 0.10.2)
 from jax._src.interpreters import partial_eval as _pe  # private: jaxpr rewriting (JAX 0.10.2)
 from jax._src.state import discharge as _discharge  # private: Ref-free jaxprs (JAX 0.10.2)
 from jax.core import ShapedArray, eval_jaxpr
@@ -39,7 +44,8 @@ from jax.extend.core import ClosedJaxpr, DebugInfo, DropVar, Jaxpr, Literal, Pri
 
 __all__ = ["ClosedJaxpr", "DebugInfo", "DropVar", "Jaxpr", "Literal", "Primitive", "Var", "jaxpr_as_fun",
            "ShapedArray", "eval_jaxpr", "join_effects", "convert_constvars_jaxpr", "dce_jaxpr", "discharge_refs",
-           "distributed_client", "preemption_sync_manager"]
+           "distributed_client", "preemption_sync_manager", "current_trace", "jaxprs_in_params", "scan_p",
+           "bind_params"]
 
 join_effects = _core.join_effects
 """The union of effect sets (of a segment's equations)."""
@@ -47,6 +53,18 @@ convert_constvars_jaxpr = _pe.convert_constvars_jaxpr
 """A jaxpr whose constants become its leading inputs."""
 dce_jaxpr = _pe.dce_jaxpr
 """Dead-code elimination: ``(jaxpr, used_outputs) -> (smaller jaxpr, used_inputs)``."""
+current_trace = _core.unsafe_get_current_trace
+"""The trace values are being built in now: the loss's own, or that of a transform's body inside it (a scan)."""
+jaxprs_in_params = _core.jaxprs_in_params
+"""The jaxprs an equation's parameters hold (a scan's body, a ``jit``'s or ``checkpoint``'s inner jaxpr)."""
+scan_p = _loops.scan_p
+"""``jax.lax.scan``'s primitive: its parameters ``jaxpr``, ``num_consts``, ``num_carry``, ``length``, ``reverse``."""
+
+
+def bind_params(eqn) -> dict:
+    """The keyword arguments that bind ``eqn``'s primitive again (as ``jax.core.eval_jaxpr`` does)."""
+    got = eqn.primitive.get_bind_params(eqn.params)
+    return got[1] if isinstance(got, tuple) else got  # JAX < 0.8: (subfuns, params)
 
 
 def discharge_refs(closed: ClosedJaxpr) -> ClosedJaxpr:

@@ -13,6 +13,9 @@ residuals) and one backward (:mod:`~zinf_jax.engine.tape`), so a step
 dispatches a small constant number of programs per unit instead of every
 embedding add, layer norm and loss op one by one.
 
+A unit called inside a transform of the model's code (a scan over a stack of layers, a ``jit`` or
+``checkpoint``) is brought out to the loss's top level by :mod:`~zinf_jax.engine.unroll` first.
+
 As under ``jax.jit``, Python side effects of the loss run once, at trace time,
 and arrays it closes over are captured as constants.
 
@@ -33,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from zinf_jax._internal import jax_private as core
 from zinf_jax.engine.programs import join_inputs, split_inputs
+from zinf_jax.engine.unroll import has_nested_calls, unroll
 from zinf_jax.plan.model_mesh import ModelMesh, spec_of
 from zinf_jax.plan.units import Plan
 
@@ -60,10 +64,14 @@ class UnitCall:
     method: str
     sig: Any
     out_tree: Any
+    layer: int | None = None
+    """The layer the call uses, for a unit whose parameters are a stack of layers called inside the model's
+    scan (:mod:`~zinf_jax.engine.unroll`): the scan's iteration; ``None``: the unit's whole parameters."""
 
 
-OutShapes = Callable[[int, str, Any, list], Any]
-"""``(uid, method, sig, dyn) -> pytree of ShapeDtypeStruct``: what a unit call returns."""
+OutShapes = Callable[[int, str, Any, list, bool], Any]
+"""``(uid, method, sig, dyn, layered) -> pytree of ShapeDtypeStruct``: what a unit call returns (``layered``: a
+call inside the model's scan, with one layer of the unit's stacked parameters)."""
 
 
 def unit_out_shapes(adapter: Any, store: Any, train: bool, model_mesh: ModelMesh | None = None) -> OutShapes:
@@ -78,9 +86,12 @@ def unit_out_shapes(adapter: Any, store: Any, train: bool, model_mesh: ModelMesh
     """
     mm = model_mesh or ModelMesh(store.mesh)
 
-    def out_shapes(uid: int, method: str, sig: Any, dyn: list) -> Any:
+    def out_shapes(uid: int, method: str, sig: Any, dyn: list, layered: bool = False) -> Any:
         lays = [store.layouts[p] for p in adapter.units[uid].param_paths]
         full = [mm.typed(jax.ShapeDtypeStruct(l.shape, store.dtype_of(l.path)), l.gathered_spec) for l in lays]
+        if layered:  # one layer of the stack: its leading axis dropped
+            full = [mm.typed(jax.ShapeDtypeStruct(l.shape[1:], store.dtype_of(l.path)), P(*l.gathered[1:]))
+                    for l in lays]
         specs = sig[2] if len(sig) > 2 and sig[2] else [P()] * len(dyn)
         sds = [mm.typed(x, spec) for x, spec in zip(dyn, specs)]
         fn = adapter.unit_fn(uid, method, train)
@@ -98,21 +109,25 @@ class Recorder:
         outputs keep the types the abstract evaluation gave them (see [Note: model regions]).
     """
 
-    def __init__(self, out_shapes: OutShapes, typed: bool = False):
+    def __init__(self, out_shapes: OutShapes, typed: bool = False, stacked: Callable[[int], bool] = lambda uid: False):
         self._out_shapes = out_shapes
         self._typed = typed
+        self._stacked = stacked
         self.calls: list[UnitCall] = []
+        self.outer: Any = None
+        """The loss's own trace (set when its tracing starts): a call made in another is inside a transform."""
 
     def __call__(self, uid: int, method: str, inputs: Any) -> Any:
         dyn, sig = split_inputs(f"unit {uid}.{method}", inputs)
         sig = (*sig, tuple(spec_of(x) for x in dyn) if self._typed else ())
-        leaves, tree = jax.tree.flatten(self._out_shapes(uid, method, sig, dyn))
+        layered = self.outer is not None and core.current_trace() is not self.outer and self._stacked(uid)
+        leaves, tree = jax.tree.flatten(self._out_shapes(uid, method, sig, dyn, layered))
         if self._typed:
             avals = tuple(jax.typeof(s) for s in leaves)
         else:
             avals = tuple(core.ShapedArray(s.shape, s.dtype, weak_type=getattr(s, "weak_type", False)) for s in leaves)
         k = len(self.calls)
-        self.calls.append(UnitCall(uid, method, sig, tree))
+        self.calls.append(UnitCall(uid, method, sig, tree, -1 if layered else None))
         return jax.tree.unflatten(tree, unit_call_p.bind(*dyn, call=k, out_avals=avals))
 
 
@@ -309,8 +324,8 @@ class TraceCache:
         return list(self._traces.values())
 
     def trace(self, adapter: Any, loss_fn: Callable, glue: list, state: Any, batch: Any, train: bool,
-              out_shapes: Callable[[int, str, Any, list], Any], model_mesh: ModelMesh | None = None,
-              glue_specs: Sequence[P] = ()) -> Traced:
+              out_shapes: OutShapes, model_mesh: ModelMesh | None = None,
+              glue_specs: Sequence[P] = (), layers: Callable[[int], int | None] = lambda uid: None) -> Traced:
         """``loss_fn`` run by ``adapter`` on these inputs, traced now or taken from the cache, with this pass's inputs.
 
         With a ``model_mesh`` that has Explicit axes the loss is traced under the user's mesh, the glue
@@ -325,10 +340,11 @@ class TraceCache:
             if len(self._traces) >= MAX_TRACES:  # a new loss_fn object per call would grow it without bound
                 self._traces.pop(next(iter(self._traces)))
             typed = model_mesh is not None and bool(model_mesh.explicit)
-            rec = Recorder(out_shapes, typed)
+            rec = Recorder(out_shapes, typed, lambda uid: layers(uid) is not None)
             tree = []
 
             def flat(g, s, b):
+                rec.outer = core.current_trace()
                 out = adapter.run(loss_fn, list(g), join_inputs(ssig, s), join_inputs(bsig, b), rec, train)
                 leaves, t = jax.tree.flatten(out)
                 tree.append(t)
@@ -341,6 +357,10 @@ class TraceCache:
                         [model_mesh.typed(x, _placed_spec(x)) for x in bdyn])
             with model_mesh.tracing() if model_mesh is not None else contextlib.nullcontext():
                 closed = jax.make_jaxpr(flat)(*args)
-            plan = Plan(calls=tuple((c.uid, c.method) for c in rec.calls), units=self.units)
-            hit = self._traces[key] = Traced(GlueProgram(closed, rec.calls, model_mesh), tree[0], plan)
+                calls = rec.calls
+                if has_nested_calls(closed, unit_call_p):  # See zinf_jax.engine.unroll
+                    closed, calls = unroll(closed, calls, unit_call_p, jax.tree.leaves(args), layers,
+                                           lambda uid: self.units[uid].path)
+            plan = Plan(calls=tuple((c.uid, c.method) for c in calls), units=self.units)
+            hit = self._traces[key] = Traced(GlueProgram(closed, calls, model_mesh), tree[0], plan)
         return dataclasses.replace(hit, args=[*glue, *sdyn, *bdyn])

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from zinf_jax.errors import UnitPolicyError
 
-__all__ = ["UnitPolicy", "Unit", "Plan", "UnitPolicyError", "select_units", "path_str", "persistent_paths"]
+__all__ = ["UnitPolicy", "Unit", "Plan", "UnitPolicyError", "select_units", "path_str", "persistent_paths", "layer_count"]
 
 
 def path_str(path: Iterable[Any]) -> str:
@@ -67,6 +67,17 @@ class Unit:
     path: str
     param_paths: tuple[str, ...]
     nbytes: int
+
+
+def layer_count(shapes: Sequence[Sequence[int]]) -> int | None:
+    """The number of layers of a unit whose parameters look like a stack of layers (every one at least 2-D,
+    all with the same leading size, 2 or more), or ``None``. Called inside the model's scan, such a unit
+    is taken to use one layer per iteration (the scan's length must then be that size)."""
+    heads = {s[0] for s in shapes}
+    if not shapes or len(heads) != 1 or any(len(s) < 2 for s in shapes):
+        return None
+    n = heads.pop()
+    return n if n >= 2 else None
 
 
 _REPEATED = re.compile(r"^(.*)_(\d+)$")
