@@ -40,6 +40,7 @@ class GradSink:
         self.mesh = mesh
         self.target = target
         self._acc: dict[tuple[str, int], np.ndarray] = {}
+        self._rows: dict[tuple[str, int], list] = {}  # a target's stacked shards being summed (add_layer)
         self._lock = threading.Lock()
 
     @property
@@ -72,6 +73,37 @@ class GradSink:
             for k, path in enumerate(paths):
                 self.add_local(path, idx, host[k])
 
+    def add_layer(self, paths: Sequence[str], layouts: Sequence[ParamLayout], grads: Sequence[jax.Array], layer: int,
+                  n: int) -> None:
+        """Adds the gradients of one layer of stacked parameters (``layouts``: one layer's; see [Note: layers of a
+        stack] in :mod:`zinf_jax.engine.streamed`) into row ``layer`` of each stacked shard's gradient.
+
+        With a target, a stacked shard's rows are summed here and handed over once all ``n`` arrived (a
+        backward pass calls every layer once).
+        """
+        parts = [(path, split_local(lay, self.mesh, g)) for path, lay, g in zip(paths, layouts, grads)]
+        for _, shards in parts:
+            for s in shards.values():
+                s.copy_to_host_async()
+        for path, shards in parts:
+            for idx, s in shards.items():
+                row = np.asarray(s, dtype=np.float32)
+                with self._lock:
+                    if self.target is None:
+                        acc = self._acc.get((path, idx))
+                        if acc is None:
+                            acc = self._acc[(path, idx)] = np.zeros((n, *row.shape), np.float32)
+                        acc[layer] += row
+                        continue
+                    rows = self._rows.setdefault((path, idx), [np.zeros((n, *row.shape), np.float32), 0])
+                    rows[0][layer] += row
+                    rows[1] += 1
+                    done = rows[1] == n
+                    if done:
+                        del self._rows[(path, idx)]
+                if done:
+                    self.target.add(path, idx, rows[0])
+
     def add_local(self, path: str, index: int, grad: np.ndarray) -> None:
         """Adds a host gradient for one local shard (persistent parameters)."""
         if self.target is not None:
@@ -101,5 +133,6 @@ class GradSink:
         """Forgets every gradient (start of a step)."""
         with self._lock:
             self._acc.clear()
+            self._rows.clear()
         if self.target is not None:
             self.target.clear()

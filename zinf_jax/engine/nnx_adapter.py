@@ -24,13 +24,14 @@ import threading
 from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from flax.core import spmd as core_spmd
 from jax.sharding import Mesh
 
 from zinf_jax.engine.adapters import READ, EngineError, Hook, HookSlot, InitTrace, get_path, leaf_paths
 from zinf_jax.plan.model_mesh import ModelMesh, spec_of
-from zinf_jax.plan.units import Unit, UnitPolicy, UnitPolicyError, nbytes_of, path_str, select_units
+from zinf_jax.plan.units import Unit, UnitPolicy, UnitPolicyError, layer_count, nbytes_of, path_str, select_units
 
 __all__ = ["NnxAdapter", "UnitProxy"]
 
@@ -56,6 +57,12 @@ def _set(module: Any, path: tuple[Any, ...], value: Any) -> None:
 
 def _variables(module: Any) -> dict[tuple[Any, ...], nnx.Variable]:
     return {p: v for p, v in nnx.iter_graph(module) if isinstance(v, nnx.Variable)}
+
+
+class _LayerIndex(nnx.Variable):
+    """Stands for the layers of a stacked unit in its proxy during a pass: ``arange(layers)``, so that the model's
+    own scan over the stack (``nnx.scan``, ``jax.lax.scan`` over its ``nnx.split`` state) has a leading axis to
+    scan even though the proxy holds no parameters. Never part of the model's state."""
 
 
 class _Data(nnx.Variable):
@@ -145,9 +152,10 @@ class _UnitCaller:
             raise EngineError(
                 f"unit {proxy.path!r} failed when called inside a transform of the model's code ({type(e).__name__}: "
                 f"{str(e).splitlines()[0][:200]}). If it is a stack of layers applied by a scan (nnx.scan, nnx.vmap, "
-                "jax.lax.scan over nnx.split state): the engine gathers a unit's parameters around its call, which "
-                f"cannot happen inside the scan; {fix} (its stacked parameters are then sharded at rest and "
-                "gathered for its call)") from e
+                "jax.lax.scan over nnx.split state): the compiled engine gathers a unit's parameters around its call, "
+                f"which cannot happen inside the scan; {fix} (its stacked parameters are then sharded at rest and "
+                "gathered for its call), or run the streamed engine (ZeroConfig(engine='streamed'), or params on "
+                "nvme), which applies a stack called inside the model's scan one layer at a time") from e
 
     def _call(self, proxy: UnitProxy, method: str, args: tuple, kwargs: dict) -> Any:
         nodes: list[Any] = []
@@ -212,6 +220,7 @@ class UnitProxy(nnx.Module):
         self.caller = nnx.static(caller)
         self.path = path
         self.held = nnx.List(list(held))
+        self.layer_index: _LayerIndex | None = None  # a stack's, during a pass (see _LayerIndex)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.caller.call(self, "__call__", args, kwargs)
@@ -285,6 +294,8 @@ class NnxAdapter:
         if both:
             raise UnitPolicyError(f"parameter {both[0]!r} is used both inside a unit and outside every unit; "
                                   "make the module that holds it a unit, or keep it out of the units")
+        self._layers = {u.path: n for u in self.units
+                        if (n := layer_count([self.abstract_params[p].shape for p in u.param_paths])) is not None}
         self._eval_gdefs: tuple[list[Any], Any] | None = None  # built on first evaluation
         self._kind_cache: dict[bool, list[int]] = {}  # see _kinds
 
@@ -453,7 +464,11 @@ class NnxAdapter:
             batch = jax.tree.map(lambda x: next(it) if nnx.graph.is_graph_node(x) else x, batch,
                                  is_leaf=nnx.graph.is_graph_node)
         self._run.added = added = []
-        self._run.proxies = {id(m) for _, m in nnx.iter_modules(model) if isinstance(m, UnitProxy)}
+        proxies = [m for _, m in nnx.iter_modules(model) if isinstance(m, UnitProxy)]
+        self._run.proxies = {id(m) for m in proxies}
+        for proxy in proxies:  # a stack's proxy: what the model's scan over it scans (see _LayerIndex)
+            if (n := self._layers.get(proxy.path)) is not None:
+                proxy.layer_index = nnx.data(_LayerIndex(jnp.arange(n, dtype=jnp.int32)))
         self._run.reads = {}  # (uid, name) -> the value of a parameter read outside its unit in this pass
         try:
             with self.hook.installed(hook):
@@ -464,7 +479,7 @@ class NnxAdapter:
             if name in vars(parent):
                 delattr(parent, name)
         nnx.pop(model, nnx.Intermediate)
-        return out, nnx.split(model, nnx.Param, ...)[2], (nnx.split(box)[1] if box is not None else None)
+        return out, nnx.split(model, nnx.Param, _LayerIndex, ...)[3], (nnx.split(box)[1] if box is not None else None)
 
     def update_batch(self, batch: Any, batch_state: Any) -> None:
         """Writes the new state of the NNX objects in ``batch`` into them (RNG counters advance)."""

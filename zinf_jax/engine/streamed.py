@@ -17,6 +17,10 @@ calls; in a training pass each segment's vjp is compiled too (the tape). With
 ``activation_checkpointing=False`` the forward keeps what each unit's backward
 needs instead of its inputs, and the backward neither recomputes nor fetches.
 
+A stack of layers called inside the model's own scan is called once per layer (the trace is unrolled by
+:mod:`zinf_jax.engine.unroll`), each call fetching and gathering only its layer: see [Note: layers of a
+stack].
+
 A unit call arrives as ``hook(uid, method, inputs)`` from the adapter's wrapped
 model (the hook is passed to :meth:`Adapter.run` for one pass, never installed
 on the adapter for longer). Array leaves of ``inputs`` are the program's inputs
@@ -30,6 +34,7 @@ import dataclasses
 import enum
 import functools
 import math
+import threading
 from typing import Any, Callable, Collection, Sequence
 
 import jax
@@ -49,9 +54,10 @@ from zinf_jax.engine.programs import Penalty, UnitPrograms, model_call
 from zinf_jax.engine.store import ParamStore
 from zinf_jax.engine.tape import Tape
 from zinf_jax.plan.model_mesh import ModelMesh
-from zinf_jax.plan.units import Plan
+from zinf_jax.plan.partition import ParamLayout, assemble_many
+from zinf_jax.plan.units import Plan, layer_count
 
-__all__ = ["StreamedModel", "EngineError", "Phase", "ParamLoss", "JIT_MESSAGE"]
+__all__ = ["StreamedModel", "EngineError", "Phase", "ParamLoss", "JIT_MESSAGE", "live_device_bytes"]
 
 ParamLoss = Callable[[str, jax.Array], Any]
 """``param_loss(path, value) -> scalar``: a loss term of one parameter (e.g. L2 on kernels), 0 for none."""
@@ -184,14 +190,19 @@ class StreamedModel:
             sum(l.size * jnp.dtype(store.dtype_of(l.path)).itemsize for l in lays) * len(self.mesh.devices.flat)
             for lays in self._layouts
         ]
+        self._layers = [layer_count([l.shape for l in lays]) for lays in self._layouts]
+        self._layer_lays: dict[int, list[ParamLayout]] = {}
+        self._stacks: dict[int, list] = {}  # See [Note: layers of a stack]
+        self._stacks_lock = threading.Lock()
         self._trimmer = native_memory.Trimmer(trim_slack)
         self.gate = gate or WriteGate()
+        whole = [all(l.dim is None for l in lays) for lays in self._layouts]
         self.prefetcher = Prefetcher(
             self._fetch,
-            lambda uid: self._unit_bytes[uid],
+            self._fetch_bytes,
             prefetch_depth,
             max_live_bytes,
-            keep=[all(l.dim is None for l in lays) for lays in self._layouts].__getitem__,  # whole params: held
+            keep=lambda key: isinstance(key, int) and whole[key],  # whole params: held
         )
         self.activations = activations or OnDevice()
         self.activation_checkpointing = activation_checkpointing
@@ -215,11 +226,55 @@ class StreamedModel:
         old, self.state = self.state, state
         return old
 
-    def _fetch(self, uid: int) -> list[jax.Array]:
-        paths = self.units[uid].param_paths
-        with TraceAnnotation("zinf/fetch", unit=self.units[uid].path):
+    def _fetch(self, key: int | tuple[int, int]) -> list[jax.Array]:
+        """A unit's stored-form arrays (``key``: its uid), or one layer's of a stack of layers (``(uid, layer)``)."""
+        if not isinstance(key, int):
+            return self._fetch_layer(*key)
+        paths = self.units[key].param_paths
+        with TraceAnnotation("zinf/fetch", unit=self.units[key].path):
             self.gate.wait(paths)  # See [Note: write gate]
             return self.store.fetch(paths)
+
+    def _fetch_bytes(self, key: int | tuple[int, int]) -> int:
+        if isinstance(key, int):
+            return self._unit_bytes[key]
+        return self._unit_bytes[key[0]] // self._layers[key[0]]
+
+    # [Note: layers of a stack]
+    # A unit whose parameters are a stack of layers (each at least 2-D, one leading size) called inside the
+    # model's scan is called once per layer (zinf_jax.engine.unroll): each call takes one layer's shards
+    # to the devices and gathers only that layer. The tier keeps the stacked parameter as one key; the
+    # first layer a pass direction takes reads the stack's shards from the tier once (host memory, as a
+    # whole-unit fetch does) and every layer of that direction is sliced from them, so the tier is read
+    # once per direction as for any unit. The read is dropped when the direction's last layer is taken,
+    # and at the end of every pass (the optimizer writes between passes). A layer's layout is the
+    # stacked one without its leading axis, which must not be the sharded one (_layer_layouts).
+
+    def _fetch_layer(self, uid: int, layer: int) -> list[jax.Array]:
+        paths = self.units[uid].param_paths
+        with TraceAnnotation("zinf/fetch", unit=f"{self.units[uid].path}[{layer}]"):
+            with self._stacks_lock:
+                hit = self._stacks.get(uid)
+                if hit is None:
+                    self.gate.wait(paths)  # See [Note: write gate]
+                    hit = self._stacks[uid] = [self.store.read_shards(paths), 0]
+                hit[1] += 1
+                if hit[1] == self._layers[uid]:  # every layer of this direction taken
+                    del self._stacks[uid]
+            return assemble_many(self._layer_layouts(uid), self.mesh,
+                                 [{i: x[layer] for i, x in shards.items()} for shards in hit[0]])
+
+    def _layer_layouts(self, uid: int) -> list[ParamLayout]:
+        """The layouts of one layer of unit ``uid``'s stacked parameters (see [Note: layers of a stack]).
+
+        Raises:
+          EngineError: a parameter is split along its layer axis (or flattened), so a layer is not spread
+            over the devices.
+        """
+        got = self._layer_lays.get(uid)
+        if got is None:
+            got = self._layer_lays[uid] = [_layer_layout(l, self._layers[uid]) for l in self._layouts[uid]]
+        return got
 
     def _unit_penalty(self, unit: Any) -> Penalty | None:
         if self.param_loss is None:
@@ -240,7 +295,15 @@ class StreamedModel:
         """The loss traced for these inputs' signature (cached, like ``jax.jit``'s traces)."""
         hit = self._traces.trace(self.adapter, loss_fn, list(glue), self.state, batch, train,
                                  unit_out_shapes(self.adapter, self.store, train, self.model_mesh), self.model_mesh,
-                                 [self.store.layouts[p].gathered_spec for p in self.adapter.glue_paths])
+                                 [self.store.layouts[p].gathered_spec for p in self.adapter.glue_paths],
+                                 layers=self._layers.__getitem__)
+        for c in hit.program.calls:
+            if c.layer is not None:
+                self._layer_layouts(c.uid)  # refuses a stack split along its layers before anything runs
+                if self._penalties[c.uid] is not None:
+                    raise EngineError(f"zinf_jax: param_loss with the stack of layers {self.units[c.uid].path!r} "
+                                      "applied layer by layer in the model's scan is not supported; add the "
+                                      "penalty in loss_fn, or make the module holding the scan the unit")
         self.plan = hit.plan
         return hit
 
@@ -314,7 +377,9 @@ class StreamedModel:
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((batch, list(glue)))):
             raise EngineError(JIT_MESSAGE)
         traced = self._traced(loss_fn, batch, glue, p.train)
-        self.prefetcher.start(traced.plan.schedule(p.phase is Phase.TRAIN and self.activation_checkpointing))
+        forward = tuple((_fetch_key(c), c.method) for c in traced.program.calls)
+        backward = p.phase is Phase.TRAIN and self.activation_checkpointing
+        self.prefetcher.start(forward + (tuple(reversed(forward)) if backward else ()))
         p.state_bytes = _nbytes_on_devices(self.state)
         self._pass = p
         return p, traced
@@ -325,44 +390,51 @@ class StreamedModel:
             self.activations.discard(saved[2])
         p.saved.clear()
         self.prefetcher.finish()
+        with self._stacks_lock:  # See [Note: layers of a stack]
+            self._stacks.clear()
 
     def _run_call(self, p: _Pass, calls: Sequence[UnitCall], save: bool, k: int, dyn: list) -> list:
         """Runs the forward of traced unit call ``k`` (``save``: keeping what its backward needs); its flat outputs."""
         if self._pass is not p:
             raise EngineError("a unit of the wrapped model was called outside engine.train_step/eval_step")
         c = calls[k]
-        return c.out_tree.flatten_up_to(self._forward(p, c.uid, c.method, c.sig, dyn, save=save))
+        return c.out_tree.flatten_up_to(self._forward(p, c.uid, c.method, c.sig, dyn, save=save, layer=c.layer))
 
     def _run_backward(self, p: _Pass, calls: Sequence[UnitCall], k: int, g: list) -> list:
         """The backward of traced unit call ``k``: ``g`` per flat output (``None`` for integer ones)."""
         c = calls[k]
-        return self._backward(p, c.uid, c.method, c.sig, g)
+        return self._backward(p, c.uid, c.method, c.sig, g, c.layer)
 
-    def _unit_fn(self, uid: int, method: str, sig: tuple, train: bool) -> Callable:
+    def _lays(self, uid: int, layer: int | None) -> list[ParamLayout]:
+        return self._layouts[uid] if layer is None else self._layer_layouts(uid)
+
+    def _unit_fn(self, uid: int, method: str, sig: tuple, train: bool, layer: int | None = None) -> Callable:
         """The adapter's unit function of the array inputs, with the static leaves put back (a region of the
-        model's code: see :func:`~zinf_jax.engine.programs.model_call`)."""
-        return model_call(self.adapter.unit_fn(uid, method, train), sig, self._layouts[uid], self.model_mesh)
+        model's code: see :func:`~zinf_jax.engine.programs.model_call`); ``layer``: of one layer's parameters."""
+        return model_call(self.adapter.unit_fn(uid, method, train), sig, self._lays(uid, layer), self.model_mesh)
 
-    def _key(self, uid: int, method: str, sig: tuple, train: bool) -> tuple:
-        lays = tuple((l.kind, l.shape, l.dtype, l.dim, l.num_shards, l.gathered) for l in self._layouts[uid])
+    def _key(self, uid: int, method: str, sig: tuple, train: bool, layer: int | None = None) -> tuple:
+        lays = tuple((l.kind, l.shape, l.dtype, l.dim, l.num_shards, l.gathered) for l in self._lays(uid, layer))
         return (self.adapter.program_key(uid, method, train), sig, lays)
 
-    def _forward(self, p: _Pass, uid: int, method: str, sig: tuple, dyn: list, save: bool = False) -> Any:
+    def _forward(self, p: _Pass, uid: int, method: str, sig: tuple, dyn: list, save: bool = False,
+                 layer: int | None = None) -> Any:
         if any(isinstance(x, jax.core.Tracer) for x in dyn):
             raise EngineError(JIT_MESSAGE)
         penalty = None
         if save and self._penalties[uid] is not None and uid not in p.penalized:
             p.penalized.add(uid)  # counted once per step, in the unit's first call (its last backward)
             penalty = self._penalties[uid]
-        stored = self.prefetcher.take((uid, method))
-        fn = self._unit_fn(uid, method, sig, p.train)
-        key, lays = self._key(uid, method, sig, p.train), self._layouts[uid]
+        fk = uid if layer is None else (uid, layer)
+        stored = self.prefetcher.take((fk, method))
+        fn = self._unit_fn(uid, method, sig, p.train, layer)
+        key, lays = self._key(uid, method, sig, p.train, layer), self._lays(uid, layer)
         keep_all = save and not self.activation_checkpointing
         if keep_all:
             prog = self.programs.forward_saving(key, lays, fn, penalty, self._trainable[uid])
         else:
             prog = self.programs.forward(key, lays, fn, penalty)
-        self._account(uid)
+        self._account(uid, layer)
         with TraceAnnotation("zinf/unit_forward", unit=self.units[uid].path):
             out = prog(stored, dyn)
         if keep_all:
@@ -376,27 +448,28 @@ class StreamedModel:
         if save:  # the unit's inputs (checkpointing), or everything its backward needs
             parked = self.activations.park(kept if keep_all else dyn)
             extra = (_out_spec(out), [(jnp.shape(x), jax.typeof(x).dtype) for x in dyn]) if keep_all else penalty
-            p.saved.append((uid, method, parked, extra, _nbytes_on_devices(parked)))
+            p.saved.append((fk, method, parked, extra, _nbytes_on_devices(parked)))
             p.saved_bytes += p.saved[-1][-1]
         del stored
         self.prefetcher.release()
         self._trimmer.check()  # the pages unit calls freed go back to the system once they add up
         return out
 
-    def _backward(self, p: _Pass, uid: int, method: str, sig: tuple, g: Any) -> Any:
+    def _backward(self, p: _Pass, uid: int, method: str, sig: tuple, g: Any, layer: int | None = None) -> Any:
+        fk = uid if layer is None else (uid, layer)
         suid, smethod, parked, extra, nbytes = p.saved.pop()
         p.saved_bytes -= nbytes
         if p.saved:  # the next backward's activations come back while this one computes
             self.activations.prefetch(p.saved[-1][2])
-        if (suid, smethod) != (uid, method):
-            raise EngineError(f"backward order mismatch: expected {self.units[suid].path}.{smethod}, got {self.units[uid].path}.{method}")
+        if (suid, smethod) != (fk, method):
+            raise EngineError(f"backward order mismatch: expected {suid}.{smethod}, got {self.units[uid].path}.{method}")
         g = [x for x in jax.tree.leaves(g) if x.dtype != jax.dtypes.float0]
-        key, lays = self._key(uid, method, sig, p.train), self._layouts[uid]
+        key, lays = self._key(uid, method, sig, p.train, layer), self._lays(uid, layer)
         if self.activation_checkpointing:  # recompute from the inputs, with the unit fetched again
             dyn = self.activations.unpark(parked)
             inputs = [(jnp.shape(x), jax.typeof(x).dtype) for x in dyn]
-            stored = self.prefetcher.take((uid, method))
-            prog = self.programs.backward(key, lays, self._unit_fn(uid, method, sig, p.train), extra,
+            stored = self.prefetcher.take((fk, method))
+            prog = self.programs.backward(key, lays, self._unit_fn(uid, method, sig, p.train, layer), extra,
                                           self._trainable[uid])
             args = (stored, dyn)
         else:  # the forward kept everything (the shards to re-gather included): no fetch
@@ -404,7 +477,7 @@ class StreamedModel:
             prog = self.programs.backward_saved(key, lays, out_spec, self._trainable[uid])
             args = (self.activations.unpark(parked),)
         del parked
-        self._account(uid)
+        self._account(uid, layer)
         with TraceAnnotation("zinf/unit_backward", unit=self.units[uid].path):
             gp, gd = prog(*args, g, np.float32(p.loss_scale))
         del args
@@ -413,9 +486,13 @@ class StreamedModel:
         if stored is not None:
             del stored
             self.prefetcher.release()
-        kept = [(path, x) for path, x in zip(self.units[uid].param_paths, gp) if x is not None]
+        kept = [(path, lay, x) for path, lay, x in zip(self.units[uid].param_paths, lays, gp) if x is not None]
         with TraceAnnotation("zinf/grads_out", unit=self.units[uid].path):
-            self.sink.add_many([k for k, _ in kept], [x for _, x in kept])
+            if layer is None:
+                self.sink.add_many([k for k, _, _ in kept], [x for _, _, x in kept])
+            else:
+                self.sink.add_layer([k for k, _, _ in kept], [l for _, l, _ in kept], [x for _, _, x in kept],
+                                    layer, self._layers[uid])
         del gp, kept
         self._trimmer.check()  # the pages unit calls freed go back to the system once they add up
         out: list[Any] = [None] * len(inputs)  # no cotangent for integer inputs
@@ -430,13 +507,11 @@ class StreamedModel:
         held = self.prefetcher.held_bytes()
         return held + (p.saved_bytes + p.state_bytes if p is not None else _nbytes_on_devices(self.state))
 
-    def _account(self, uid: int) -> None:
-        now = self.held_device_bytes() + self._gathered[uid]
+    def _account(self, uid: int, layer: int | None = None) -> None:
+        now = self.held_device_bytes() + self._gathered[uid] // (1 if layer is None else self._layers[uid])
         self.peak_device_bytes = max(self.peak_device_bytes, now)
         if self.track_live_arrays:
-            live = sum(sum(s.data.nbytes for s in a.addressable_shards) for a in jax.live_arrays()
-                       if a.sharding.memory_kind in (None, "device"))
-            self.peak_live_array_bytes = max(self.peak_live_array_bytes, live)
+            self.peak_live_array_bytes = max(self.peak_live_array_bytes, live_device_bytes())
 
     def reset_peaks(self) -> None:
         """Starts a new peak measurement."""
@@ -454,7 +529,47 @@ class StreamedModel:
         self.activations.close()
 
 
+def live_device_bytes() -> int:
+    """Bytes of device memory the live arrays of this process hold, each buffer counted once.
+
+    A sharded array made of single-device arrays (a fetch being assembled on a prefetch thread) and those
+    arrays are all live at once but share their buffers: counted by buffer, they count once.
+    """
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for a in jax.live_arrays():
+        if a.sharding.memory_kind not in (None, "device"):
+            continue
+        for s in a.addressable_shards:
+            key = (s.device.id, s.data.unsafe_buffer_pointer())
+            if key not in seen:
+                seen.add(key)
+                total += s.data.nbytes
+    return total
+
+
 def _out_spec(out: Any) -> tuple[Any, tuple[tuple[tuple[int, ...], bool], ...]]:
     """A unit output's structure and, per leaf, its shape and whether it is inexact (has a cotangent)."""
     leaves, tree = jax.tree.flatten(out)
     return tree, tuple((tuple(jnp.shape(x)), bool(jnp.issubdtype(jax.typeof(x).dtype, jnp.inexact))) for x in leaves)
+
+
+def _fetch_key(c: UnitCall) -> int | tuple[int, int]:
+    """What a call fetches: its unit (uid), or one layer of it (see [Note: layers of a stack])."""
+    return c.uid if c.layer is None else (c.uid, c.layer)
+
+
+def _layer_layout(lay: ParamLayout, n: int) -> ParamLayout:
+    """The layout of one of the ``n`` layers of a stacked parameter: ``lay`` without its leading axis."""
+    gathered = tuple(lay.gathered[1:]) if lay.gathered else ()
+    gathered = gathered if any(e is not None for e in gathered) else ()
+    if lay.kind == "persistent":
+        return dataclasses.replace(lay, shape=lay.shape[1:], gathered=gathered)
+    if lay.kind == "sharded" and lay.dim >= 1:
+        return dataclasses.replace(lay, shape=lay.shape[1:], dim=lay.dim - 1, gathered=gathered)
+    raise EngineError(
+        f"zinf_jax: {lay.path} {lay.shape} is a stack of {n} layers applied one layer per iteration of the model's "
+        f"scan, but it is {'split along its layers' if lay.kind == 'sharded' else 'flattened to be split'} "
+        f"({lay.num_shards} shards): no other axis divides by {lay.num_shards}. Keep it whole on every device "
+        f"(ZeroConfig(persistent_params=({lay.path!r},)) or a persistence_threshold of at least {math.prod(lay.shape)}), "
+        "or make the module holding the scan the unit (UnitPolicy(patterns=(...,)))")
