@@ -3,8 +3,11 @@
 built, trained and compared with plain jit + optax on the unwrapped model, in both engines (the compiled one
 with params and optimizer on the cpu tier, the streamed one on nvme).
 
-The module holding the scan is the unit (``STACK_POLICY``): its stacked leaves are sharded at rest like any
-parameter and gathered for the stack's call. (Per-layer units inside the scan are issue 45's open part.)
+Two ways to make a stack streamable: the module holding the scan is the unit (``STACK_POLICY``, both engines):
+its stacked leaves are sharded at rest like any parameter and gathered for the stack's call; or the stack
+itself is the unit, called inside the model's scan (streamed engine): the scan runs layer by layer, each
+layer's shards fetched and gathered alone (``LAYER_POLICY``; see [Note: layers of a stack] in
+``zinf_jax.engine.streamed``).
 """
 from __future__ import annotations
 
@@ -15,7 +18,8 @@ import pytest
 from flax import nnx
 
 import zinf_jax as zinf
-from helpers.scan_models import STACK_POLICY, LaxScanLM, LinenScanLM, VmapScanMLP
+from helpers.scan_models import (STACK_POLICY, LaxScanLM, LinenScanLM, LoopDecoderLM, ScannedDecoderLM, TopLevelScanMLP,
+                                 VmapScanMLP)
 from test_idioms import (ENGINES, EPS, LR, STEPS, WD, assert_params, flat_linen, flat_nnx, linen_reference,
                          nnx_reference, nvme, tokens, xent)
 
@@ -91,12 +95,102 @@ def test_linen_nn_scan_decoder_with_remat_and_dropout(tmp_path, engine):
     eng.close()
 
 
-def test_a_unit_called_inside_the_models_scan_is_one_error_naming_the_fix():
-    from helpers.scan_models import TopLevelScanMLP
+LAYER_POLICY = zinf.UnitPolicy(patterns=("stack/layers",))
+"""The stack of layers is the unit, called inside the model's scan: applied one layer per call."""
 
+
+@pytest.mark.parametrize("model", ["vmap", pytest.param("top", marks=pytest.mark.slow),
+                                   pytest.param("lax", marks=pytest.mark.slow)])
+def test_a_stack_called_inside_the_models_scan_runs_layer_by_layer_like_plain_jit(tmp_path, model):
+    """The stack is the unit and the model's own scan applies it (nnx.vmap-built blocks with BatchNorm and Dropout
+    under nnx.scan in a submodule, or in the model's own call; split_rngs-built decoder blocks under jax.lax.scan
+    over their nnx.split state, each under nnx.remat): the streamed engine calls it once per layer with that
+    layer's shards, and trains as plain jit + optax, batch statistics and dropout streams included."""
+    if model == "lax":
+        ctor, batches = (lambda: LaxScanLM(nnx.Rngs(0))), [tokens(s) for s in range(STEPS)]  # noqa: E731
+        loss_fn = lambda m, t: xent(m(t[:, :-1]), t[:, 1:])  # noqa: E731
+    else:
+        cls = VmapScanMLP if model == "vmap" else TopLevelScanMLP
+        ctor, batches = (lambda: cls(nnx.Rngs(0, dropout=1))), [_features(s) for s in range(STEPS)]  # noqa: E731
+        loss_fn = lambda m, b: xent(m(b[0]), b[1])  # noqa: E731
+    ref_losses, ref_model = nnx_reference(ctor, loss_fn, batches)
+    eng = zinf.initialize(ctor, config=nvme(tmp_path, threshold=16), optimizer=_optimizer(), loss_fn=loss_fn,
+                          unit_policy=LAYER_POLICY)
+    assert eng.mode == "streamed" and "stack/layers" in {u.path for u in eng.adapter.units}
+    losses = [eng.train_step(b)["loss"] for b in batches]
+    uid = next(u.uid for u in eng.adapter.units if u.path == "stack/layers")
+    assert [c.layer for c in eng.passes._traces.values()[0].program.calls if c.uid == uid] == [0, 1, 2, 3]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_params(eng.param_arrays(), flat_nnx(nnx.state(ref_model, nnx.Param)))
+    got, want = flat_nnx(eng.model_state()), flat_nnx(nnx.state(ref_model, nnx.Not(nnx.Param)))
+    assert set(got) == set(want)
+    for path, v in want.items():
+        np.testing.assert_allclose(got[path], v, rtol=1e-5, atol=1e-6, err_msg=path)
+    eng.close()
+
+
+def _scanned_lm_peak(tmp_path, n):
+    off = zinf.Offload("nvme", path=str(tmp_path / f"n{n}"))
+    (tmp_path / f"n{n}").mkdir()
+    eng = zinf.initialize(lambda: ScannedDecoderLM(nnx.Rngs(0), n=n, d=128), optimizer=_optimizer(),
+                          config=zinf.ZeroConfig(offload_param=off, offload_optimizer=off, persistence_threshold=16,
+                                                 offload_activations=True, prefetch_depth=0),
+                          loss_fn=lambda m, t: xent(m(t[:, :-1]), t[:, 1:]), track_live_arrays=True,
+                          unit_policy=zinf.UnitPolicy(patterns=("blocks",)))
+    eng.train_step(tokens(0))
+    eng.passes.reset_peaks()
+    eng.train_step(tokens(1))
+    uid = next(u.uid for u in eng.adapter.units if u.path == "blocks")
+    stack = sum(eng.layouts[p].size * 4 for p in eng.adapter.units[uid].param_paths)
+    per_device = sum(l.bytes_per_device() for l in eng.passes._layer_layouts(uid))
+    peak = eng.passes.peak_live_array_bytes
+    eng.close()
+    return peak, stack // n, per_device
+
+
+def test_a_scanned_stack_on_nvme_holds_a_layers_shards_at_a_time_and_its_peak_does_not_grow_with_depth(tmp_path):
+    """A GPT-like decoder whose blocks are one stack scanned by nnx.scan, on nvme: each layer is fetched as its
+    1/8 shards (the layer's layout on the 8 devices), and the peak of live device arrays is the same at 4 and at
+    16 layers (within 10%): nothing of a layer stays on the devices past its call. Without prefetching (the
+    window is the layer in use; with it, a fetch's arrays live from its worker's put to its use, which only
+    timing decides) the peak is one layer's shards plus the activations and the small units."""
+    (p4, layer4, dev4), (p16, layer16, dev16) = _scanned_lm_peak(tmp_path, 4), _scanned_lm_peak(tmp_path, 16)
+    assert layer4 == layer16 and dev4 == dev16
+    assert dev16 <= (1 / 8 + 0.05) * layer16  # a layer's shard per device: at most 1/8 of it (+ 5%)
+    assert abs(p16 - p4) <= 0.10 * p4, (p4, p16)
+    assert p16 < 1.5 * layer16, (p16, layer16)  # one layer's shards (on 8 devices: its bytes), not the stack's
+
+
+def test_a_stack_split_along_its_layers_or_called_outside_a_scan_over_it_is_an_error_naming_the_fix(tmp_path):
+    loss_fn = lambda m, t: xent(m(t[:, :-1]), t[:, 1:])  # noqa: E731
+    off = zinf.Offload("nvme", path=str(tmp_path))
+    cfg = zinf.ZeroConfig(offload_param=off, offload_optimizer=off, persistence_threshold=16)
+    # 16 layers of d=8: the layer axis (16) is the only one that divides by 8 devices
+    eng = zinf.initialize(lambda: ScannedDecoderLM(nnx.Rngs(0), n=16, d=8, heads=2), config=cfg, loss_fn=loss_fn,
+                          unit_policy=zinf.UnitPolicy(patterns=("blocks",)))
+    with pytest.raises(zinf.EngineError, match=r"split along its layers.*persistent_params"):
+        eng.train_step(tokens(0))
+    eng.close()
+
+    class Unscanned(ScannedDecoderLM):  # the stack called whole, inside jax.checkpoint: no scan over its layers
+        def __call__(self, tokens):
+            return self.head(self.norm(jax.checkpoint(lambda x: self.blocks(x))(self.embed(tokens))))
+
+    (tmp_path / "b").mkdir()
+    off = zinf.Offload("nvme", path=str(tmp_path / "b"))
+    eng = zinf.initialize(lambda: Unscanned(nnx.Rngs(0), n=4, d=16), loss_fn=loss_fn,
+                          config=zinf.ZeroConfig(offload_param=off, offload_optimizer=off, persistence_threshold=16),
+                          unit_policy=zinf.UnitPolicy(patterns=("blocks",)))
+    with pytest.raises(zinf.EngineError, match=r"holds 4 layers.*inside a transform that is not a scan"):
+        eng.train_step(tokens(0))
+    eng.close()
+
+
+def test_in_the_compiled_engine_a_unit_called_inside_the_models_scan_is_an_error_naming_the_fixes():
     ctor = lambda: TopLevelScanMLP(nnx.Rngs(0, dropout=1))  # noqa: E731
     eng = zinf.initialize(ctor, config=zinf.ZeroConfig(persistence_threshold=16), loss_fn=lambda m, b: xent(m(b[0]), b[1]),
                           unit_policy=zinf.UnitPolicy(patterns=("stack/layers",)))
-    with pytest.raises(zinf.EngineError, match=r"inside a transform.*UnitPolicy\(patterns=\('stack',\)\)"):
+    with pytest.raises(zinf.EngineError, match=r"inside a transform.*UnitPolicy\(patterns=\('stack',\)\).*"
+                                               r"engine='streamed'.*one layer at a time"):
         eng.train_step(_features(0))
     eng.close()

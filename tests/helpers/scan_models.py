@@ -171,3 +171,42 @@ class TopLevelScanMLP(nnx.Module):
             return layer(x)
 
         return self.head(step(self.inp(x), self.stack.layers))
+
+
+class ScannedDecoderLM(nnx.Module):
+    """A GPT-like decoder whose ``n`` blocks are one stack (``nnx.split_rngs`` + ``nnx.vmap``) applied by ``nnx.scan``
+    in the model's own call; the stack (``blocks``) is called inside the scan, one layer per iteration."""
+
+    def __init__(self, rngs: nnx.Rngs, n: int = 4, d: int = 64, heads: int = 4, vocab: int = 64):
+        @nnx.split_rngs(splits=n)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs: nnx.Rngs) -> DecoderBlock:
+            return DecoderBlock(d, heads, rngs)
+
+        self.embed = nnx.Embed(vocab, d, rngs=rngs)
+        self.blocks = make(rngs)
+        self.norm = nnx.RMSNorm(d, rngs=rngs)
+        self.head = nnx.Linear(d, vocab, use_bias=False, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def layer(x: jax.Array, block: DecoderBlock) -> jax.Array:
+            return block(x)
+
+        return self.head(self.norm(layer(self.embed(tokens), self.blocks)))
+
+
+class LoopDecoderLM(nnx.Module):
+    """:class:`ScannedDecoderLM` with its blocks in a list, applied by a Python loop (unrolled)."""
+
+    def __init__(self, rngs: nnx.Rngs, n: int = 4, d: int = 64, heads: int = 4, vocab: int = 64):
+        self.embed = nnx.Embed(vocab, d, rngs=rngs)
+        self.blocks = nnx.List([DecoderBlock(d, heads, rngs) for _ in range(n)])
+        self.norm = nnx.RMSNorm(d, rngs=rngs)
+        self.head = nnx.Linear(d, vocab, use_bias=False, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
