@@ -39,7 +39,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zinf_jax.engine.arguments import ProgramArgs, Slots
-from zinf_jax.engine.glue import TraceCache, Traced, unit_out_shapes
+from zinf_jax.config import ConfigError
+from zinf_jax.engine.glue import TraceCache, Traced, unit_call_p, unit_out_shapes
 from zinf_jax.engine.grads import GradSink
 from zinf_jax.engine.overlap import WriteGate
 from zinf_jax.engine.programs import GATHERED, model_call
@@ -47,11 +48,12 @@ from zinf_jax.engine.runs import Run, find_runs
 from zinf_jax.engine.staging import keep_all_but_params, read, staged_read, tap
 from zinf_jax.engine.store import ParamStore
 from zinf_jax.engine.streamed import JIT_MESSAGE
+from zinf_jax.engine.unroll import evaluate
 from zinf_jax.errors import EngineError
 from zinf_jax.optim.fused import FusedAdam
 from zinf_jax.plan.model_mesh import ModelMesh
-from zinf_jax.plan.partition import ParamLayout, from_stored
-from zinf_jax.plan.units import Plan
+from zinf_jax.plan.partition import ParamLayout, from_stored, layer_layout
+from zinf_jax.plan.units import Plan, layer_count
 
 __all__ = ["CompiledModel", "GPU_COMPILER_OPTIONS", "compiler_options"]
 
@@ -96,6 +98,17 @@ def _signature(leaves: Sequence[Any]) -> tuple:
 # optimization_barrier on the device copies keeps the all-gather after the slice: without it XLA
 # gathers the (1, shard) slice before squeezing it, lays the whole stacked argument out for that
 # gather, and hoists that relayout copy out of the loop (a stack-sized temp).
+
+
+# [Note: stacks in scans]
+# A unit whose parameters are a stack of layers, called inside the model's own scan (nnx.scan over an
+# nnx.vmap stack, jax.lax.scan over its nnx.split state), stays inside that scan here: the trace is not
+# unrolled (TraceCache.trace(unroll_nested=False)), and the glue segment holding the scan runs through
+# zinf_jax.engine.unroll.evaluate, which binds the scan again with the stack's stored arguments as further
+# scanned inputs. Each iteration's call then reads its layer's slice of them, moves it to device memory and
+# gathers it as any unit call does (the layer's layout: partition.layer_layout), like a scanned run of
+# alike units ([Note: scanned runs]) whose stack the model itself made: one layer gathered at a time, the
+# unit compiled once, and the stacked gradient leaving as the stacked parameter's own.
 
 
 class CompiledModel:
@@ -145,6 +158,7 @@ class CompiledModel:
         self._train_paths = [p for p in paths if p in trained and _floating(store.layouts[p].dtype)]
         self._frozen_paths = [p for p in paths if p not in set(self._train_paths)]
         self._layouts = [[store.layouts[p] for p in u.param_paths] for u in self.units]
+        self._layers = [layer_count([l.shape for l in lays]) for lays in self._layouts]
         self.state = adapter.init_state(NamedSharding(self.mesh, P()))
         self.plan: Plan | None = None
         self._traces = TraceCache(tuple(self.units))
@@ -172,9 +186,19 @@ class CompiledModel:
     def _traced(self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array], train: bool) -> Traced:
         hit = self._traces.trace(self.adapter, loss_fn, list(glue), self.state, batch, train,
                                  unit_out_shapes(self.adapter, self.store, train, self.model_mesh), self.model_mesh,
-                                 [self.store.layouts[p].gathered_spec for p in self.adapter.glue_paths])
+                                 [self.store.layouts[p].gathered_spec for p in self.adapter.glue_paths],
+                                 layers=self._layers.__getitem__, unroll_nested=False)  # See [Note: stacks in scans]
+        for c in hit.program.calls:
+            if c.layer == -1:
+                self._layer_layouts(c.uid)  # refuses a stack split along its layers before anything compiles
         self.plan = hit.plan
         return hit
+
+    def _layer_layouts(self, uid: int) -> list[ParamLayout]:
+        try:
+            return [layer_layout(l, self._layers[uid]) for l in self._layouts[uid]]
+        except ConfigError as e:
+            raise EngineError(str(e)) from None
 
     def _read(self, lay: ParamLayout, x: Any, dtype: Any) -> jax.Array:
         """A parameter argument read in the program, gathered in ``dtype``: a trained one as its
@@ -188,8 +212,9 @@ class CompiledModel:
     def _gather(self, layouts: Sequence[ParamLayout], stored: Sequence[Any]) -> list[jax.Array]:
         return [checkpoint_name(self._read(lay, x, self.compute_dtype), GATHERED) for lay, x in zip(layouts, stored)]
 
-    def _unit(self, uid: int, method: str, sig: tuple, train: bool, grad: bool) -> Callable:
-        lays = self._layouts[uid]
+    def _unit(self, uid: int, method: str, sig: tuple, train: bool, grad: bool, layer: bool = False) -> Callable:
+        """A unit call's function of its stored shards (``layer``: of one layer of its stacked parameters)."""
+        lays = self._layer_layouts(uid) if layer else self._layouts[uid]
         call = model_call(self.adapter.unit_fn(uid, method, train), sig, lays, self.model_mesh)
 
         def run(stored, dyn):
@@ -283,15 +308,24 @@ class CompiledModel:
         def loss_of(trained, glue, frozen, rest):
             value, stacked = slots.values(trained, frozen)
 
-            def call(k, dyn):
+            def call(k, dyn, layer_params=None):
                 c = calls[k]
-                fn = self._unit(c.uid, c.method, c.sig, train, grad)
-                return c.out_tree.flatten_up_to(fn([value(p) for p in units[c.uid].param_paths], dyn))
+                fn = self._unit(c.uid, c.method, c.sig, train, grad, layer=layer_params is not None)
+                params = [value(p) for p in units[c.uid].param_paths] if layer_params is None else list(layer_params)
+                return c.out_tree.flatten_up_to(fn(params, dyn))
 
             def call_run(run, ins):
                 return self._scan(calls, run, [stacked[g] for g in slots.run_stacks[run.start]], ins, train, grad)
 
-            return traced.unflatten(program([*glue, *rest], call, slots.runs, call_run))
+            def segment(i, ins):  # See [Note: stacks in scans]
+                s = program.steps[i]
+                if not s.nested:
+                    return s.fn(*ins)
+                return evaluate(s.jaxpr, [], ins, unit_call_p, calls, call,
+                                lambda uid: [value(p) for p in units[uid].param_paths], self._layers.__getitem__,
+                                lambda uid: units[uid].path)
+
+            return traced.unflatten(program([*glue, *rest], call, slots.runs, call_run, call_segment=segment))
 
         return loss_of
 

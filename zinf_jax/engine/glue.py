@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from zinf_jax._internal import jax_private as core
 from zinf_jax.engine.programs import join_inputs, split_inputs
-from zinf_jax.engine.unroll import has_nested_calls, unroll
+from zinf_jax.engine.unroll import has_nested_calls, holds_calls, unroll
 from zinf_jax.plan.model_mesh import ModelMesh, spec_of
 from zinf_jax.plan.units import Plan
 
@@ -142,6 +142,8 @@ class _Step:
     body: Callable | None = None  # the segment's function (``fn`` is its jit; :mod:`~zinf_jax.engine.tape` differentiates it)
     effects: Any = frozenset()
     vjp: Any = None  # the segment's vjp programs (:class:`~zinf_jax.engine.tape.SegmentVjp`), built at first use
+    jaxpr: Any = None  # the segment as a jaxpr
+    nested: bool = False  # it holds unit calls inside its equations (a trace not unrolled: see TraceCache.trace)
 
 
 class GlueProgram:
@@ -205,6 +207,7 @@ class GlueProgram:
                 info = core.DebugInfo("zinf_jax glue", f"segment {i}", tuple(f"in{j}" for j in range(len(s.ins))),
                                       tuple(f"out{j}" for j in range(len(s.outs))))
                 sub = core.Jaxpr([], s.ins, s.outs, s.eqns, s.effects, debug_info=info)
+                s.jaxpr, s.nested = sub, holds_calls(s.eqns, unit_call_p)
                 fn = _as_fun(core.ClosedJaxpr(sub, []))
                 if self._model_mesh is not None:
                     fn = self._model_mesh.region(fn, tuple(spec_of(v.aval) for v in s.ins))
@@ -325,12 +328,18 @@ class TraceCache:
 
     def trace(self, adapter: Any, loss_fn: Callable, glue: list, state: Any, batch: Any, train: bool,
               out_shapes: OutShapes, model_mesh: ModelMesh | None = None,
-              glue_specs: Sequence[P] = (), layers: Callable[[int], int | None] = lambda uid: None) -> Traced:
+              glue_specs: Sequence[P] = (), layers: Callable[[int], int | None] = lambda uid: None,
+              unroll_nested: bool = True) -> Traced:
         """``loss_fn`` run by ``adapter`` on these inputs, traced now or taken from the cache, with this pass's inputs.
 
         With a ``model_mesh`` that has Explicit axes the loss is traced under the user's mesh, the glue
         parameters typed ``glue_specs`` (their gathered specs), the model state replicated and the
         batch as it is placed (see [Note: model regions]).
+
+        ``layers(uid)``: a unit's layer count where its parameters look like a stack of layers (a call of it
+        inside the model's scan then takes one layer); ``unroll_nested``: bring unit calls made inside the
+        model's transforms out to the top level (:func:`~zinf_jax.engine.unroll.unroll`), or leave them where
+        they are, in segments the caller runs with :func:`~zinf_jax.engine.unroll.evaluate`.
         """
         sdyn, ssig = split_inputs("model state", state)
         bdyn, bsig = split_inputs("batch", batch)
@@ -358,7 +367,7 @@ class TraceCache:
             with model_mesh.tracing() if model_mesh is not None else contextlib.nullcontext():
                 closed = jax.make_jaxpr(flat)(*args)
                 calls = rec.calls
-                if has_nested_calls(closed, unit_call_p):  # See zinf_jax.engine.unroll
+                if unroll_nested and has_nested_calls(closed, unit_call_p):  # See zinf_jax.engine.unroll
                     closed, calls = unroll(closed, calls, unit_call_p, jax.tree.leaves(args), layers,
                                            lambda uid: self.units[uid].path)
             plan = Plan(calls=tuple((c.uid, c.method) for c in calls), units=self.units)

@@ -152,10 +152,9 @@ class _UnitCaller:
             raise EngineError(
                 f"unit {proxy.path!r} failed when called inside a transform of the model's code ({type(e).__name__}: "
                 f"{str(e).splitlines()[0][:200]}). If it is a stack of layers applied by a scan (nnx.scan, nnx.vmap, "
-                "jax.lax.scan over nnx.split state): the compiled engine gathers a unit's parameters around its call, "
-                f"which cannot happen inside the scan; {fix} (its stacked parameters are then sharded at rest and "
-                "gathered for its call), or run the streamed engine (ZeroConfig(engine='streamed'), or params on "
-                "nvme), which applies a stack called inside the model's scan one layer at a time") from e
+                "jax.lax.scan over nnx.split state): the engine applies it one layer per iteration when every "
+                "parameter of it is at least 2-D with the layer count as its leading size; otherwise "
+                f"{fix} (its stacked parameters are then sharded at rest and gathered for its call)") from e
 
     def _call(self, proxy: UnitProxy, method: str, args: tuple, kwargs: dict) -> Any:
         nodes: list[Any] = []

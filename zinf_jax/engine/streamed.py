@@ -54,7 +54,8 @@ from zinf_jax.engine.programs import Penalty, UnitPrograms, model_call
 from zinf_jax.engine.store import ParamStore
 from zinf_jax.engine.tape import Tape
 from zinf_jax.plan.model_mesh import ModelMesh
-from zinf_jax.plan.partition import ParamLayout, assemble_many
+from zinf_jax.config import ConfigError
+from zinf_jax.plan.partition import ParamLayout, assemble_many, layer_layout
 from zinf_jax.plan.units import Plan, layer_count
 
 __all__ = ["StreamedModel", "EngineError", "Phase", "ParamLoss", "JIT_MESSAGE", "live_device_bytes"]
@@ -273,7 +274,10 @@ class StreamedModel:
         """
         got = self._layer_lays.get(uid)
         if got is None:
-            got = self._layer_lays[uid] = [_layer_layout(l, self._layers[uid]) for l in self._layouts[uid]]
+            try:
+                got = self._layer_lays[uid] = [layer_layout(l, self._layers[uid]) for l in self._layouts[uid]]
+            except ConfigError as e:
+                raise EngineError(str(e)) from None
         return got
 
     def _unit_penalty(self, unit: Any) -> Penalty | None:
@@ -557,19 +561,3 @@ def _out_spec(out: Any) -> tuple[Any, tuple[tuple[tuple[int, ...], bool], ...]]:
 def _fetch_key(c: UnitCall) -> int | tuple[int, int]:
     """What a call fetches: its unit (uid), or one layer of it (see [Note: layers of a stack])."""
     return c.uid if c.layer is None else (c.uid, c.layer)
-
-
-def _layer_layout(lay: ParamLayout, n: int) -> ParamLayout:
-    """The layout of one of the ``n`` layers of a stacked parameter: ``lay`` without its leading axis."""
-    gathered = tuple(lay.gathered[1:]) if lay.gathered else ()
-    gathered = gathered if any(e is not None for e in gathered) else ()
-    if lay.kind == "persistent":
-        return dataclasses.replace(lay, shape=lay.shape[1:], gathered=gathered)
-    if lay.kind == "sharded" and lay.dim >= 1:
-        return dataclasses.replace(lay, shape=lay.shape[1:], dim=lay.dim - 1, gathered=gathered)
-    raise EngineError(
-        f"zinf_jax: {lay.path} {lay.shape} is a stack of {n} layers applied one layer per iteration of the model's "
-        f"scan, but it is {'split along its layers' if lay.kind == 'sharded' else 'flattened to be split'} "
-        f"({lay.num_shards} shards): no other axis divides by {lay.num_shards}. Keep it whole on every device "
-        f"(ZeroConfig(persistent_params=({lay.path!r},)) or a persistence_threshold of at least {math.prod(lay.shape)}), "
-        "or make the module holding the scan the unit (UnitPolicy(patterns=(...,)))")

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from zinf_jax._internal import jax_private as core
 from zinf_jax.errors import EngineError
 
-__all__ = ["has_nested_calls", "unroll"]
+__all__ = ["has_nested_calls", "holds_calls", "unroll", "evaluate"]
 
 
 def _holds_call(jaxpr: Any, call_p: Any) -> bool:
@@ -33,6 +33,12 @@ def _holds_call(jaxpr: Any, call_p: Any) -> bool:
         if eqn.primitive is call_p or any(_holds_call(sub, call_p) for sub in core.jaxprs_in_params(eqn.params)):
             return True
     return False
+
+
+def holds_calls(eqns: Sequence[Any], call_p: Any) -> bool:
+    """Whether some of ``eqns`` hold a unit call inside their inner jaxprs (a glue segment that
+    :func:`evaluate` must run)."""
+    return any(_holds_call(sub, call_p) for eqn in eqns for sub in core.jaxprs_in_params(eqn.params))
 
 
 def has_nested_calls(closed: Any, call_p: Any) -> bool:
@@ -70,12 +76,7 @@ def unroll(closed: Any, calls: Sequence[Any], call_p: Any, args: Sequence[Any], 
     def _layer(c: Any, layer: int | None, scans: list[int], unit_layers: Any) -> int:
         n = unit_layers(c.uid)
         if layer is None or not scans or scans[-1] != n:
-            where = f"a scan of length {scans[-1]}" if scans else "a transform that is not a scan"
-            raise EngineError(
-                f"zinf_jax: unit {names(c.uid)!r} holds {n} layers (every parameter's leading axis is {n}) and is "
-                f"called inside {where} in the model's code; a stack of layers is applied one layer per "
-                f"iteration of a scan over it ({n} iterations). Call it so, or make the module around the "
-                "call the unit (UnitPolicy(patterns=(...,)))")
+            raise EngineError(_outside_scan(names(c.uid), n, scans[-1] if scans else None))
         return layer
 
     def run(jaxpr: Any, consts: Sequence[Any], ins: Sequence[Any], layer: int | None) -> list[Any]:
@@ -115,11 +116,7 @@ def unroll(closed: Any, calls: Sequence[Any], call_p: Any, args: Sequence[Any], 
                 outs = run(body, closed_inner.consts if closed_inner is not None else [], vals, layer)
                 outs = outs[:len(eqn.outvars)]
             else:
-                raise EngineError(
-                    f"zinf_jax: a unit is called inside {eqn.primitive.name} in the model's code; the engine runs a "
-                    "unit call inside a scan (nnx.scan, jax.lax.scan, nn.scan), jit or checkpoint, not inside "
-                    f"{eqn.primitive.name}. Call the unit outside it, or make the module around it the unit "
-                    "(UnitPolicy(patterns=(...,)))")
+                raise EngineError(_inside(eqn.primitive.name))
             for v, x in zip(eqn.outvars, outs):
                 if not isinstance(v, core.DropVar):
                     env[v] = x
@@ -143,3 +140,102 @@ def _scan(eqn: Any, vals: list[Any], run: Any) -> list[Any]:
                jnp.zeros((0, *body.jaxpr.outvars[nk + j].aval.shape), body.jaxpr.outvars[nk + j].aval.dtype)
                for j in range(n_ys)]
     return [*carry, *stacked]
+
+
+def _layered_calls(jaxpr: Any, call_p: Any, calls: Sequence[Any]) -> list[int]:
+    """The units of the stacked calls (``layer == -1``) in ``jaxpr`` outside any scan nested in it."""
+    out: list[int] = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is call_p:
+            c = calls[eqn.params["call"]]
+            if c.layer == -1 and c.uid not in out:
+                out.append(c.uid)
+        elif eqn.primitive is not core.scan_p:
+            for sub in core.jaxprs_in_params(eqn.params):
+                out += [u for u in _layered_calls(sub, call_p, calls) if u not in out]
+    return out
+
+
+def evaluate(jaxpr: Any, consts: Sequence[Any], ins: Sequence[Any], call_p: Any, calls: Sequence[Any],
+             call_unit: Callable[[int, list, Any], list], stacked: Callable[[int], list],
+             unit_layers: Callable[[int], Any], names: Callable[[int], str]) -> list[Any]:
+    """Runs a glue segment whose equations hold unit calls, inside the caller's trace (the compiled engine's
+    step): the scans among them stay scans.
+
+    A scan whose body calls a stack of layers (a recorded call with ``layer == -1``) is bound again with the
+    stack's parameters, ``stacked(uid)``, as further scanned inputs, so each iteration's call takes its
+    layer: ``call_unit(k, inputs, layer_params)``. A call of a unit's whole parameters is
+    ``call_unit(k, inputs, None)``. ``jit``, ``checkpoint`` and ``custom_*`` calls holding unit calls run
+    inline, as in :func:`unroll`.
+
+    Raises:
+      EngineError: a unit call inside another transform, or a stack called outside a scan of its length.
+    """
+    def run(jaxpr: Any, consts: Sequence[Any], ins: Sequence[Any], layer_params: dict) -> list[Any]:
+        env: dict[Any, Any] = {}
+
+        def read(v: Any) -> Any:
+            return v.val if isinstance(v, core.Literal) else env[v]
+
+        env.update(zip(jaxpr.constvars, consts))
+        env.update(zip(jaxpr.invars, ins))
+        for eqn in jaxpr.eqns:
+            vals = [read(v) for v in eqn.invars]
+            subs = list(core.jaxprs_in_params(eqn.params))
+            if eqn.primitive is call_p:
+                k = eqn.params["call"]
+                c = calls[k]
+                if c.layer == -1 and c.uid not in layer_params:
+                    raise EngineError(_outside_scan(names(c.uid), unit_layers(c.uid), None))
+                outs = call_unit(k, vals, layer_params.get(c.uid) if c.layer == -1 else None)
+            elif not any(_holds_call(s, call_p) for s in subs):
+                with eqn.ctx.manager:
+                    outs = eqn.primitive.bind(*vals, **core.bind_params(eqn))
+                outs = outs if eqn.primitive.multiple_results else [outs]
+            elif eqn.primitive is core.scan_p:
+                outs = rescan(eqn, vals, layer_params)
+            elif eqn.primitive.name in _INLINED:
+                inner = eqn.params.get("call_jaxpr") or eqn.params.get("jaxpr") or eqn.params.get("fun_jaxpr")
+                closed_inner = inner if hasattr(inner, "consts") else None
+                body = closed_inner.jaxpr if closed_inner is not None else inner
+                outs = run(body, closed_inner.consts if closed_inner is not None else [], vals, layer_params)
+                outs = outs[:len(eqn.outvars)]
+            else:
+                raise EngineError(_inside(eqn.primitive.name))
+            for v, x in zip(eqn.outvars, outs):
+                if not isinstance(v, core.DropVar):
+                    env[v] = x
+        return [read(v) for v in jaxpr.outvars]
+
+    def rescan(eqn: Any, vals: list[Any], layer_params: dict) -> list[Any]:
+        p = eqn.params
+        nc, nk, body = p["num_consts"], p["num_carry"], p["jaxpr"]
+        uids = _layered_calls(body.jaxpr, call_p, calls)
+        for uid in uids:
+            if unit_layers(uid) != p["length"]:
+                raise EngineError(_outside_scan(names(uid), unit_layers(uid), p["length"]))
+        consts, carry, xs = vals[:nc], vals[nc:nc + nk], vals[nc + nk:]
+
+        def step(c: list, x: tuple) -> tuple[list, list]:
+            xs_i, params_i = x
+            out = run(body.jaxpr, body.consts, [*consts, *c, *xs_i], {**layer_params, **dict(zip(uids, params_i))})
+            return out[:nk], out[nk:]
+
+        final, ys = jax.lax.scan(step, list(carry), (list(xs), [stacked(u) for u in uids]), length=p["length"],
+                                 reverse=p["reverse"], unroll=p["unroll"])
+        return [*final, *ys]
+
+    return run(jaxpr, consts, ins, {})
+
+
+def _inside(name: str) -> str:
+    return (f"zinf_jax: a unit is called inside {name} in the model's code; the engine runs a unit call inside a "
+            f"scan (nnx.scan, jax.lax.scan, nn.scan), jit or checkpoint, not inside {name}. Call the unit outside "
+            "it, or make the module around it the unit (UnitPolicy(patterns=(...,)))")
+
+
+def _outside_scan(name: str, n: int, length: int | None) -> str:
+    where = f"a scan of length {length}" if length is not None else "a transform that is not a scan"
+    return (f"zinf_jax: unit {name!r} holds {n} layers (every parameter's leading axis is {n}) and is called inside "
+            f"{where} in the model's code; a stack of layers is applied one layer per iteration of a scan over it "
+            f"({n} iterations). Call it so, or make the module around the call the unit (UnitPolicy(patterns=(...,)))")

@@ -54,6 +54,7 @@ __all__ = [
     "assemble",
     "assemble_many",
     "stacked_layout",
+    "layer_layout",
     "split_local",
     "local_positions",
     "format_table",
@@ -433,6 +434,29 @@ def stacked_layout(layout: ParamLayout, n: int) -> ParamLayout:
     return dataclasses.replace(layout, shape=(n, *layout.stored_shape),
                                kind="persistent" if layout.dim is None else "sharded",
                                dim=None if layout.dim is None else layout.dim + 1)
+
+
+def layer_layout(layout: ParamLayout, n: int) -> ParamLayout:
+    """The layout of one of the ``n`` layers of a stacked parameter (a leading layer axis): ``layout`` without
+    that axis, split as the stack is (see [Note: layers of a stack] in :mod:`zinf_jax.engine.streamed`).
+
+    Raises:
+      ConfigError: the stack is split along its layer axis (or flattened to be split), so a layer is not
+        spread over the devices; the message says how to keep it whole.
+    """
+    gathered = tuple(layout.gathered[1:]) if layout.gathered else ()
+    gathered = gathered if any(e is not None for e in gathered) else ()
+    if layout.kind == "persistent":
+        return dataclasses.replace(layout, shape=layout.shape[1:], gathered=gathered)
+    if layout.kind == "sharded" and layout.dim >= 1:
+        return dataclasses.replace(layout, shape=layout.shape[1:], dim=layout.dim - 1, gathered=gathered)
+    how = "split along its layers" if layout.kind == "sharded" else "flattened to be split"
+    raise ConfigError(
+        f"zinf_jax: {layout.path} {layout.shape} is a stack of {n} layers applied one layer per iteration of the "
+        f"model's scan, but it is {how} ({layout.num_shards} shards): no other axis divides by "
+        f"{layout.num_shards}. Keep it whole on every device (ZeroConfig(persistent_params=({layout.path!r},)) or "
+        f"a persistence_threshold of at least {math.prod(layout.shape)}), or make the module holding the scan the "
+        "unit (UnitPolicy(patterns=(...,)))")
 
 
 def assemble_many(layouts: Sequence[ParamLayout], mesh: Mesh, shards: Sequence[Mapping[int, Any]],
