@@ -34,6 +34,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from zinf_jax._internal import jax_private
 from zinf_jax._internal.flops import matmul_flops
 from zinf_jax._internal.fmt import human_bytes
 from zinf_jax.config import ZeroConfig
@@ -48,7 +49,7 @@ from zinf_jax.optim.subgroups import PACK_BELOW, PACK_ELEMENTS, pool_geometry, s
 from zinf_jax.plan.host_memory import HostPlan, HostSizes, plan_host
 from zinf_jax.plan.partition import local_shard_devices, make_mesh, plan_partition
 from zinf_jax.plan.placement import place
-from zinf_jax.plan.units import UnitPolicy, persistent_paths
+from zinf_jax.plan.units import UnitPolicy, layer_count, persistent_paths
 from zinf_jax.tiers.nvme_layout import chunk_shape
 from zinf_jax.tiers.nvme_packs import PACK_BELOW_BYTES, packed_nbytes
 
@@ -412,21 +413,38 @@ def _on_disk(shape: Sequence[int], itemsize: int, chunk_bytes: int) -> int:
     return packed_nbytes(nbytes) if nbytes < PACK_BELOW_BYTES else _padded(shape, itemsize, chunk_bytes)
 
 
+def _layer_uids(n_units: int, layers: Sequence[int | None]) -> dict[int, int]:
+    """For each unit that is a stack of layers, the first of the uids its layers take after the units' own."""
+    out, at = {}, n_units
+    for uid, n in enumerate(layers):
+        if n:
+            out[uid], at = at, at + n
+    return out
+
+
 def _trace_calls(adapter: Any, dtype_of: Callable[[str], str], layouts: Mapping[str, Any], loss_fn: Callable,
-                 example: Any) -> tuple[list[tuple[int, int, int]], int, int, int]:
+                 example: Any, layers: Sequence[int | None]) -> tuple[list[tuple[int, int, int]], int, int, int]:
     """Unit calls of one abstract loss evaluation: ``[(uid, sharded checkpoint bytes, replicated bytes)]``,
-    model-state bytes, largest output, and the forward's FLOPs (:func:`~zinf_jax._internal.flops.matmul_flops`)."""
-    calls, info = [], {"out": 0}
+    model-state bytes, largest output, and the forward's FLOPs (:func:`~zinf_jax._internal.flops.matmul_flops`).
+
+    A stack of layers called inside the model's scan (``layers[uid]`` layers) is recorded as that many calls of
+    one layer each, under the uids :func:`_layer_uids` gives them (the engines fetch and gather one layer per call).
+    """
+    calls, info, outer = [], {"out": 0}, []
+    first = _layer_uids(len(adapter.units), layers)
 
     def record(uid: int, method: str, inputs: Any) -> Any:
         rep = _nbytes(adapter.call_state(inputs))  # model state in the checkpoint: on every device
-        calls.append((uid, _nbytes(inputs) - rep, rep))
-        full = [jnp.zeros(layouts[p].shape, dtype_of(p)) for p in adapter.units[uid].param_paths]
+        n = layers[uid] if jax_private.current_trace() is not outer[0] else None
+        ids = [uid] if n is None else range(first[uid], first[uid] + n)
+        calls.extend((i, _nbytes(inputs) - rep, rep) for i in ids)
+        full = [jnp.zeros(layouts[p].shape[1 if n else 0:], dtype_of(p)) for p in adapter.units[uid].param_paths]
         out = adapter.unit_fn(uid, method)(full, inputs)
         info["out"] = max(info["out"], _nbytes(out))
         return out
 
     def run(batch: Any, state: Any) -> Any:
+        outer.append(jax_private.current_trace())
         glue = [jnp.zeros(layouts[p].shape, dtype_of(p)) for p in adapter.glue_paths]
         return adapter.run(loss_fn, glue, state, batch, record)[0]
 
@@ -493,16 +511,21 @@ def estimate_from_model(
     chunk, n_chunks = {}, {}
     for p in layouts:
         chunk[p], n_chunks[p] = sub_groups(numel[p], config.sub_group_size)
-    calls, rests, out, flops = _trace_calls(adapter, dtype_of, layouts, loss_fn, example)
+    layers = [layer_count([layouts[p].shape for p in u.param_paths]) for u in adapter.units]
+    calls, rests, out, flops = _trace_calls(adapter, dtype_of, layouts, loss_fn, example, layers)
     whole = _whole_sets(optimizer, config, {p: layouts[p] for p in trained}, shards, P)
     on_disk = functools.partial(_on_disk, chunk_bytes=config.aio.chunk_bytes)
     padded = functools.partial(_padded, chunk_bytes=config.aio.chunk_bytes)
-    unit = lambda f: tuple(sum(f(p) for p in u.param_paths) for u in adapter.units)  # noqa: E731
+    def unit(f: Callable[[str], int]) -> tuple[int, ...]:  # per unit, then per layer of the stacks (_trace_calls)
+        whole = tuple(sum(f(p) for p in u.param_paths) for u in adapter.units)
+        return whole + tuple(v // n for v, n in zip(whole, layers) if n for _ in range(n))
+
     d = StepDigest(
         n_local=n_local, n_idx=n_idx, n_processes=P, compute_dtype=cd, params=sum(x.size for x in layouts.values()),
         unit_held=unit(lambda p: layouts[p].bytes_per_device(dtype_of(p)) * n_local),
         unit_gathered=unit(lambda p: layouts[p].size * item[p] * n_local),
-        unit_kept=tuple(all(layouts[p].dim is None for p in u.param_paths) for u in adapter.units),
+        unit_kept=(tuple(all(layouts[p].dim is None for p in u.param_paths) for u in adapter.units)
+                   + (False,) * sum(n or 0 for n in layers)),
         unit_grad=unit(lambda p: 4 * local[p] * (p in trained)),
         calls=tuple((u, b // P + r * n_local) for u, b, r in calls), rests=rests * n_local,
         glue=sum(layouts[p].bytes_per_device(dtype_of(p)) * n_local for p in adapter.glue_paths),

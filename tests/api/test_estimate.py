@@ -23,6 +23,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -394,3 +395,29 @@ def test_a_whole_tensor_rule_sizes_the_buffer_sets_as_the_driver_allocates_them(
     # buffer_count sets at most, each of the driver's size (no shard is cut into sub-groups here: no assembly)
     assert planned == est.host_plan.items["optimizer_buffers"] == min(5, len(engine.layouts)) * one
     assert est.breakdown["host.optimizer_buffers"] == planned
+
+
+def test_a_stack_scanned_by_the_model_is_estimated_layer_by_layer_as_the_engine_runs_it():
+    """A decoder whose blocks are one stack applied by the model's nnx.scan: the estimator counts a call per
+    layer (one layer gathered, one layer's shards per prefetched call), giving the streamed engine's own
+    device accounting exactly."""
+    from helpers.scan_models import ScannedDecoderLM
+
+    def loss(model, toks):
+        return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(model(toks[:, :-1]), toks[:, 1:]))
+
+    make = lambda: ScannedDecoderLM(nnx.Rngs(0), n=8, d=64)  # noqa: E731
+    toks = np.asarray(jax.random.randint(jax.random.key(1), (BATCH, 17), 0, 64))
+    config = zconfig("cpu", "cpu", persistence_threshold=16)
+    engine = zinf.initialize(make, config=config, mesh=mesh(), loss_fn=loss)
+    try:
+        assert engine.mode == "streamed" and "blocks" in {u.path for u in engine.adapter.units}
+        engine.train_step(toks)
+        peak = engine.streamed.peak_device_bytes
+    finally:
+        engine.close()
+    est = estimate_from_model(make, config=config, mesh=mesh(), loss_fn=loss, example_batch=toks,
+                              configurations=[("cpu", "cpu")])[0]
+    assert est.device_bytes_local - est.breakdown.get("device.persistent_params", 0) == peak
+    layer = 4 * (64 * 192 + 64 * 64 + 64 * 256 + 256 + 256 * 64 + 64 + 2 * 64)  # a block's parameters, float32
+    assert est.breakdown["device.gathered_unit"] == layer * len(mesh().devices.flat)  # one layer, not the 8
