@@ -156,9 +156,9 @@ def _scanned_lm_peak(tmp_path, n):
 def test_a_scanned_stack_on_nvme_holds_a_layers_shards_at_a_time_and_its_peak_does_not_grow_with_depth(tmp_path):
     """A GPT-like decoder whose blocks are one stack scanned by nnx.scan, on nvme: each layer is fetched as its
     1/8 shards (the layer's layout on the 8 devices), and the peak of live device arrays is the same at 4 and at
-    16 layers (within 10%): nothing of a layer stays on the devices past its call. Without prefetching (the
-    window is the layer in use; with it, a fetch's arrays live from its worker's put to its use, which only
-    timing decides) the peak is one layer's shards plus the activations and the small units."""
+    16 layers (within 10%): nothing of a layer stays on the devices past its call. Without prefetching the
+    window is the layer in use, so the peak is one layer's shards plus the activations and the small units
+    (scripts/bench_scanned_stack.py measures prefetch depth 2 as well: the layer in use and two ahead)."""
     (p4, layer4, dev4), (p16, layer16, dev16) = _scanned_lm_peak(tmp_path, 4), _scanned_lm_peak(tmp_path, 16)
     assert layer4 == layer16 and dev4 == dev16
     assert dev16 <= (1 / 8 + 0.05) * layer16  # a layer's shard per device: at most 1/8 of it (+ 5%)
