@@ -40,34 +40,6 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-# The order xdist hands test files to its two workers (``--dist loadfile --no-loadscope-reorder`` in
-# pyproject's addopts): the slowest files first, so that the run does not end with one worker busy on a
-# long file while the other idles (xdist's own reorder puts files with many tests first, which left the
-# multi-process and scanned-stack files, few tests each but a minute or more, at the end). Measured
-# seconds per file on the 2-core box, slowest first; files not named keep their place after these.
-# Only the schedule depends on it: a stale entry costs time, never a test.
-HEAVY_FIRST = (
-    "tests/api/test_multiprocess.py",           # ~120 s (two multi-process jobs)
-    "tests/engine/test_idioms.py",              # ~110 s
-    "tests/engine/test_param_reads.py",         # ~85 s
-    "tests/engine/test_compiled.py",            # ~75 s
-    "tests/engine/test_scanned_stacks.py",      # ~70 s
-    "tests/engine/test_engine.py",              # ~60 s
-    "tests/engine/test_scanned_runs.py",        # ~50 s
-    "tests/app/test_cli_deepspeed.py",          # ~50 s
-    "tests/api/test_train.py",                  # ~50 s
-    "tests/app/test_cli_safety.py",             # ~45 s
-    "tests/api/test_workflows.py",              # ~45 s
-    "tests/engine/test_fused_update.py",        # ~45 s
-    "tests/api/test_estimate.py",               # ~40 s
-)
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {path: i for i, path in enumerate(HEAVY_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable: the rest as collected
-
-
 @pytest.fixture
 def no_persistent_cache():
     """Compile for real (tests that count compilations)."""

@@ -34,13 +34,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from zinf_jax._internal import jax_private
-from zinf_jax._internal.flops import matmul_flops
 from zinf_jax._internal.fmt import human_bytes
 from zinf_jax.config import ZeroConfig
 from zinf_jax.engine.host_budget import buffer_set_bytes
 from zinf_jax.engine.wrap import make_adapter, trainable_paths
-from zinf_jax.estimate_step import StepDigest, simulate, step_io
+from zinf_jax.estimate_step import StepDigest, simulate, step_io, trace_calls
 from zinf_jax.optim.choose import with_clipping
 from zinf_jax.optim.fused import MOVE_IN_AHEAD
 from zinf_jax.optim.grads_out import IN_RAM_BELOW, ram_bytes
@@ -395,10 +393,6 @@ def _warn_unmodelled(config: ZeroConfig) -> None:
                       "is kept, so device bytes are underestimated", UserWarning, stacklevel=3)
 
 
-def _nbytes(tree: Any) -> int:
-    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))
-
-
 def _padded(shape: Sequence[int], itemsize: int, chunk_bytes: int) -> int:
     """Bytes of the zarr chunk files of one shard (edge chunks are stored whole): what reading or writing it
     moves (a packed shard is smaller than one chunk: its own bytes). ``chunk_bytes``: the tier's
@@ -411,46 +405,6 @@ def _on_disk(shape: Sequence[int], itemsize: int, chunk_bytes: int) -> int:
     """Bytes one shard takes on disk: a packed one starts on a page of its pack file."""
     nbytes = itemsize * math.prod(shape)
     return packed_nbytes(nbytes) if nbytes < PACK_BELOW_BYTES else _padded(shape, itemsize, chunk_bytes)
-
-
-def _layer_uids(n_units: int, layers: Sequence[int | None]) -> dict[int, int]:
-    """For each unit that is a stack of layers, the first of the uids its layers take after the units' own."""
-    out, at = {}, n_units
-    for uid, n in enumerate(layers):
-        if n:
-            out[uid], at = at, at + n
-    return out
-
-
-def _trace_calls(adapter: Any, dtype_of: Callable[[str], str], layouts: Mapping[str, Any], loss_fn: Callable,
-                 example: Any, layers: Sequence[int | None]) -> tuple[list[tuple[int, int, int]], int, int, int]:
-    """Unit calls of one abstract loss evaluation: ``[(uid, sharded checkpoint bytes, replicated bytes)]``,
-    model-state bytes, largest output, and the forward's FLOPs (:func:`~zinf_jax._internal.flops.matmul_flops`).
-
-    A stack of layers called inside the model's scan (``layers[uid]`` layers) is recorded as that many calls of
-    one layer each, under the uids :func:`_layer_uids` gives them (the engines fetch and gather one layer per call).
-    """
-    calls, info, outer = [], {"out": 0}, []
-    first = _layer_uids(len(adapter.units), layers)
-
-    def record(uid: int, method: str, inputs: Any) -> Any:
-        rep = _nbytes(adapter.call_state(inputs))  # model state in the checkpoint: on every device
-        n = layers[uid] if jax_private.current_trace() is not outer[0] else None
-        ids = [uid] if n is None else range(first[uid], first[uid] + n)
-        calls.extend((i, _nbytes(inputs) - rep, rep) for i in ids)
-        full = [jnp.zeros(layouts[p].shape[1 if n else 0:], dtype_of(p)) for p in adapter.units[uid].param_paths]
-        out = adapter.unit_fn(uid, method)(full, inputs)
-        info["out"] = max(info["out"], _nbytes(out))
-        return out
-
-    def run(batch: Any, state: Any) -> Any:
-        outer.append(jax_private.current_trace())
-        glue = [jnp.zeros(layouts[p].shape, dtype_of(p)) for p in adapter.glue_paths]
-        return adapter.run(loss_fn, glue, state, batch, record)[0]
-
-    state = adapter.abstract_state()
-    traced = jax.make_jaxpr(run)(example, state)
-    return calls, _nbytes(state), info["out"], matmul_flops(traced)
 
 
 def estimate_from_model(
@@ -512,11 +466,11 @@ def estimate_from_model(
     for p in layouts:
         chunk[p], n_chunks[p] = sub_groups(numel[p], config.sub_group_size)
     layers = [layer_count([layouts[p].shape for p in u.param_paths]) for u in adapter.units]
-    calls, rests, out, flops = _trace_calls(adapter, dtype_of, layouts, loss_fn, example, layers)
+    calls, rests, out, flops = trace_calls(adapter, dtype_of, layouts, loss_fn, example, layers)
     whole = _whole_sets(optimizer, config, {p: layouts[p] for p in trained}, shards, P)
     on_disk = functools.partial(_on_disk, chunk_bytes=config.aio.chunk_bytes)
     padded = functools.partial(_padded, chunk_bytes=config.aio.chunk_bytes)
-    def unit(f: Callable[[str], int]) -> tuple[int, ...]:  # per unit, then per layer of the stacks (_trace_calls)
+    def unit(f: Callable[[str], int]) -> tuple[int, ...]:  # per unit, then per layer of the stacks (trace_calls)
         whole = tuple(sum(f(p) for p in u.param_paths) for u in adapter.units)
         return whole + tuple(v // n for v, n in zip(whole, layers) if n for _ in range(n))
 

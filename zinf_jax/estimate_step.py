@@ -1,5 +1,6 @@
 """One training step replayed for the estimator (:mod:`zinf_jax.estimate`): what a process holds and moves.
 
+:func:`trace_calls` finds a step's unit calls by one abstract evaluation of the loss;
 :class:`StepDigest` is everything the estimate needs about one model on one process;
 :func:`simulate` replays the streamed engine's prefetcher over a step's schedule for the device
 and host peaks, :func:`step_io` counts the bytes a step reads and writes on disk.
@@ -8,11 +9,63 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
+from typing import Any, Callable, Mapping, Sequence
 
+import jax
+import jax.numpy as jnp
+
+from zinf_jax._internal import jax_private
+from zinf_jax._internal.flops import matmul_flops
 from zinf_jax.config import ZeroConfig
 from zinf_jax.optim.rules import WholeSets
 
-__all__ = ["StepDigest", "simulate", "step_io"]
+__all__ = ["StepDigest", "simulate", "step_io", "trace_calls", "nbytes_of_tree"]
+
+
+def nbytes_of_tree(tree: Any) -> int:
+    """Bytes of the arrays (or abstract arrays) in ``tree``."""
+    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))
+
+
+def _layer_uids(n_units: int, layers: Sequence[int | None]) -> dict[int, int]:
+    """For each unit that is a stack of layers, the first of the uids its layers take after the units' own."""
+    out, at = {}, n_units
+    for uid, n in enumerate(layers):
+        if n:
+            out[uid], at = at, at + n
+    return out
+
+
+def trace_calls(adapter: Any, dtype_of: Callable[[str], str], layouts: Mapping[str, Any], loss_fn: Callable,
+                 example: Any, layers: Sequence[int | None]) -> tuple[list[tuple[int, int, int]], int, int, int]:
+    """The unit calls of one abstract evaluation of the loss (for :class:`StepDigest`): ``[(uid, sharded checkpoint bytes, replicated bytes)]``,
+    model-state bytes, largest output, and the forward's FLOPs (:func:`~zinf_jax._internal.flops.matmul_flops`).
+
+    A stack of layers called inside the model's scan (``layers[uid]`` layers) is recorded as that many calls of
+    one layer each, under the uids :func:`_layer_uids` gives them (the engines fetch and gather one layer per call).
+    """
+    calls, info, outer = [], {"out": 0}, []
+    first = _layer_uids(len(adapter.units), layers)
+
+    def record(uid: int, method: str, inputs: Any) -> Any:
+        rep = nbytes_of_tree(adapter.call_state(inputs))  # model state in the checkpoint: on every device
+        n = layers[uid] if jax_private.current_trace() is not outer[0] else None
+        ids = [uid] if n is None else range(first[uid], first[uid] + n)
+        calls.extend((i, nbytes_of_tree(inputs) - rep, rep) for i in ids)
+        full = [jnp.zeros(layouts[p].shape[1 if n else 0:], dtype_of(p)) for p in adapter.units[uid].param_paths]
+        out = adapter.unit_fn(uid, method)(full, inputs)
+        info["out"] = max(info["out"], nbytes_of_tree(out))
+        return out
+
+    def run(batch: Any, state: Any) -> Any:
+        outer.append(jax_private.current_trace())
+        glue = [jnp.zeros(layouts[p].shape, dtype_of(p)) for p in adapter.glue_paths]
+        return adapter.run(loss_fn, glue, state, batch, record)[0]
+
+    state = adapter.abstract_state()
+    traced = jax.make_jaxpr(run)(example, state)
+    return calls, nbytes_of_tree(state), info["out"], matmul_flops(traced)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -51,6 +51,53 @@ _INLINED = ("jit", "pjit", "closed_call", "core_call", "checkpoint", "remat", "r
 """Primitives whose one inner jaxpr runs inline (a ``custom_*`` call's primal, without its rule)."""
 
 
+Ctx = Any
+"""What an interpretation passes down to the equations inside a scan: :func:`unroll`'s iteration, or
+:func:`evaluate`'s layer parameters by unit."""
+
+
+def _interpret(jaxpr: Any, consts: Sequence[Any], ins: Sequence[Any], ctx: Ctx, call_p: Any,
+               on_call: Callable[[Any, list, Ctx], list], on_scan: Callable[[Any, list, Ctx], list]) -> list[Any]:
+    """Evaluates ``jaxpr`` in the current trace: equations without unit calls are bound again as they are, a unit
+    call is ``on_call(eqn, inputs, ctx)``, a scan holding one ``on_scan(eqn, inputs, ctx)``, and a ``jit``,
+    ``checkpoint`` or ``custom_*`` call holding one runs inline.
+
+    Raises:
+      EngineError: a unit call inside any other transform.
+    """
+    env: dict[Any, Any] = {}
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, core.Literal) else env[v]
+
+    env.update(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, ins))
+    for eqn in jaxpr.eqns:
+        vals = [read(v) for v in eqn.invars]
+        subs = list(core.jaxprs_in_params(eqn.params))
+        if eqn.primitive is call_p:
+            outs = on_call(eqn, vals, ctx)
+        elif not any(_holds_call(s, call_p) for s in subs):
+            with eqn.ctx.manager:
+                outs = eqn.primitive.bind(*vals, **core.bind_params(eqn))
+            outs = outs if eqn.primitive.multiple_results else [outs]
+        elif eqn.primitive is core.scan_p:
+            outs = on_scan(eqn, vals, ctx)
+        elif eqn.primitive.name in _INLINED:
+            inner = eqn.params.get("call_jaxpr") or eqn.params.get("jaxpr") or eqn.params.get("fun_jaxpr")
+            if inner is None:
+                raise EngineError(f"zinf_jax: a unit is called inside {eqn.primitive.name}, whose inner program "
+                                  "the engine cannot find; call the unit outside it")
+            body, body_consts = (inner.jaxpr, inner.consts) if hasattr(inner, "consts") else (inner, [])
+            outs = _interpret(body, body_consts, vals, ctx, call_p, on_call, on_scan)[:len(eqn.outvars)]
+        else:
+            raise EngineError(_inside(eqn.primitive.name))
+        for v, x in zip(eqn.outvars, outs):
+            if not isinstance(v, core.DropVar):
+                env[v] = x
+    return [read(v) for v in jaxpr.outvars]
+
+
 def unroll(closed: Any, calls: Sequence[Any], call_p: Any, args: Sequence[Any], unit_layers: Callable[[int], Any],
            names: Callable[[int], str]) -> tuple[Any, list[Any]]:
     """The loss traced again with every unit call at its top level.
@@ -60,7 +107,7 @@ def unroll(closed: Any, calls: Sequence[Any], call_p: Any, args: Sequence[Any], 
       calls: the recorded unit calls (``UnitCall``), indexed by the ``call`` parameter of ``call_p``.
       call_p: the unit call primitive.
       args: the loss's flat example inputs (arrays or ``ShapeDtypeStruct``).
-      unit_layers: a unit's layer count (see :func:`~zinf_jax.engine.glue.layer_count`).
+      unit_layers: a unit's layer count (see :func:`~zinf_jax.plan.units.layer_count`).
       names: a unit's path, for errors.
 
     Returns:
@@ -68,78 +115,36 @@ def unroll(closed: Any, calls: Sequence[Any], call_p: Any, args: Sequence[Any], 
       ``layer`` set to that scan's iteration.
 
     Raises:
-      EngineError: a unit call inside a transform other than a scan or an inlined call.
+      EngineError: a unit call inside a transform other than a scan or an inlined call, or a stack of
+        layers called outside a scan of its length.
     """
     out_calls: list[Any] = []
-    scans: list[int] = []  # the lengths of the scans being run, innermost last
 
-    def _layer(c: Any, layer: int | None, scans: list[int], unit_layers: Any) -> int:
-        n = unit_layers(c.uid)
-        if layer is None or not scans or scans[-1] != n:
-            raise EngineError(_outside_scan(names(c.uid), n, scans[-1] if scans else None))
-        return layer
+    def on_call(eqn: Any, vals: list, at: tuple[int, int] | None) -> list:
+        c = calls[eqn.params["call"]]
+        if c.layer == -1:  # a stack of layers: the innermost scan's iteration is the layer
+            n = unit_layers(c.uid)
+            if at is None or at[1] != n:
+                raise EngineError(_outside_scan(names(c.uid), n, None if at is None else at[1]))
+            c = dataclasses.replace(c, layer=at[0])
+        out_calls.append(c)
+        return call_p.bind(*vals, call=len(out_calls) - 1, out_avals=eqn.params["out_avals"])
 
-    def run(jaxpr: Any, consts: Sequence[Any], ins: Sequence[Any], layer: int | None) -> list[Any]:
-        env: dict[Any, Any] = {}
+    def on_scan(eqn: Any, vals: list, at: Any) -> list:  # the iterations one by one, ``(iteration, length)`` down
+        p = eqn.params
+        nc, nk, n, body = p["num_consts"], p["num_carry"], p["length"], p["jaxpr"]
+        consts, carry, xs = vals[:nc], vals[nc:nc + nk], vals[nc + nk:]
+        ys: dict[int, list[Any]] = {}
+        for i in (range(n - 1, -1, -1) if p["reverse"] else range(n)):
+            out = _interpret(body.jaxpr, body.consts, [*consts, *carry, *(x[i] for x in xs)], (i, n), call_p,
+                             on_call, on_scan)
+            carry, ys[i] = out[:nk], out[nk:]
+        avals = [v.aval for v in body.jaxpr.outvars[nk:]]
+        return [*carry, *(jnp.stack([ys[i][j] for i in range(n)]) if n else jnp.zeros((0, *a.shape), a.dtype)
+                          for j, a in enumerate(avals))]
 
-        def read(v: Any) -> Any:
-            return v.val if isinstance(v, core.Literal) else env[v]
-
-        env.update(zip(jaxpr.constvars, consts))
-        env.update(zip(jaxpr.invars, ins))
-        for eqn in jaxpr.eqns:
-            vals = [read(v) for v in eqn.invars]
-            subs = list(core.jaxprs_in_params(eqn.params))
-            if eqn.primitive is call_p:
-                c = calls[eqn.params["call"]]
-                if c.layer == -1:  # a stack of layers: the scan's iteration is the layer
-                    c = dataclasses.replace(c, layer=_layer(c, layer, scans, unit_layers))
-                out_calls.append(c)
-                outs = call_p.bind(*vals, call=len(out_calls) - 1, out_avals=eqn.params["out_avals"])
-            elif not any(_holds_call(s, call_p) for s in subs):
-                with eqn.ctx.manager:
-                    outs = eqn.primitive.bind(*vals, **core.bind_params(eqn))
-                outs = outs if eqn.primitive.multiple_results else [outs]
-            elif eqn.primitive is core.scan_p:
-                scans.append(eqn.params["length"])
-                try:
-                    outs = _scan(eqn, vals, run)
-                finally:
-                    scans.pop()
-            elif eqn.primitive.name in _INLINED:
-                inner = eqn.params.get("call_jaxpr") or eqn.params.get("jaxpr") or eqn.params.get("fun_jaxpr")
-                if inner is None:
-                    raise EngineError(f"zinf_jax: a unit is called inside {eqn.primitive.name}, whose inner program "
-                                      "the engine cannot find; call the unit outside it")
-                closed_inner = inner if hasattr(inner, "consts") else None
-                body = closed_inner.jaxpr if closed_inner is not None else inner
-                outs = run(body, closed_inner.consts if closed_inner is not None else [], vals, layer)
-                outs = outs[:len(eqn.outvars)]
-            else:
-                raise EngineError(_inside(eqn.primitive.name))
-            for v, x in zip(eqn.outvars, outs):
-                if not isinstance(v, core.DropVar):
-                    env[v] = x
-        return [read(v) for v in jaxpr.outvars]
-
-    flat = jax.make_jaxpr(lambda *a: run(closed.jaxpr, closed.consts, a, None))(*args)
+    flat = jax.make_jaxpr(lambda *a: _interpret(closed.jaxpr, closed.consts, a, None, call_p, on_call, on_scan))(*args)
     return flat, out_calls
-
-
-def _scan(eqn: Any, vals: list[Any], run: Any) -> list[Any]:
-    """A scan equation's outputs, its iterations run one by one (``run(body, consts, ins, iteration)``)."""
-    p = eqn.params
-    nc, nk, n, body = p["num_consts"], p["num_carry"], p["length"], p["jaxpr"]
-    consts, carry, xs = vals[:nc], vals[nc:nc + nk], vals[nc + nk:]
-    ys: dict[int, list[Any]] = {}
-    for i in (range(n - 1, -1, -1) if p["reverse"] else range(n)):
-        out = run(body.jaxpr, body.consts, [*consts, *carry, *(x[i] for x in xs)], i)
-        carry, ys[i] = out[:nk], out[nk:]
-    n_ys = len(body.jaxpr.outvars) - nk
-    stacked = [jnp.stack([ys[i][j] for i in range(n)]) if n else
-               jnp.zeros((0, *body.jaxpr.outvars[nk + j].aval.shape), body.jaxpr.outvars[nk + j].aval.dtype)
-               for j in range(n_ys)]
-    return [*carry, *stacked]
 
 
 def _layered_calls(jaxpr: Any, call_p: Any, calls: Sequence[Any]) -> list[int]:
@@ -165,49 +170,19 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], ins: Sequence[Any], call_p: Any,
     A scan whose body calls a stack of layers (a recorded call with ``layer == -1``) is bound again with the
     stack's parameters, ``stacked(uid)``, as further scanned inputs, so each iteration's call takes its
     layer: ``call_unit(k, inputs, layer_params)``. A call of a unit's whole parameters is
-    ``call_unit(k, inputs, None)``. ``jit``, ``checkpoint`` and ``custom_*`` calls holding unit calls run
-    inline, as in :func:`unroll`.
+    ``call_unit(k, inputs, None)``.
 
     Raises:
       EngineError: a unit call inside another transform, or a stack called outside a scan of its length.
     """
-    def run(jaxpr: Any, consts: Sequence[Any], ins: Sequence[Any], layer_params: dict) -> list[Any]:
-        env: dict[Any, Any] = {}
+    def on_call(eqn: Any, vals: list, layer_params: dict) -> list:
+        k = eqn.params["call"]
+        c = calls[k]
+        if c.layer == -1 and c.uid not in layer_params:
+            raise EngineError(_outside_scan(names(c.uid), unit_layers(c.uid), None))
+        return call_unit(k, vals, layer_params.get(c.uid) if c.layer == -1 else None)
 
-        def read(v: Any) -> Any:
-            return v.val if isinstance(v, core.Literal) else env[v]
-
-        env.update(zip(jaxpr.constvars, consts))
-        env.update(zip(jaxpr.invars, ins))
-        for eqn in jaxpr.eqns:
-            vals = [read(v) for v in eqn.invars]
-            subs = list(core.jaxprs_in_params(eqn.params))
-            if eqn.primitive is call_p:
-                k = eqn.params["call"]
-                c = calls[k]
-                if c.layer == -1 and c.uid not in layer_params:
-                    raise EngineError(_outside_scan(names(c.uid), unit_layers(c.uid), None))
-                outs = call_unit(k, vals, layer_params.get(c.uid) if c.layer == -1 else None)
-            elif not any(_holds_call(s, call_p) for s in subs):
-                with eqn.ctx.manager:
-                    outs = eqn.primitive.bind(*vals, **core.bind_params(eqn))
-                outs = outs if eqn.primitive.multiple_results else [outs]
-            elif eqn.primitive is core.scan_p:
-                outs = rescan(eqn, vals, layer_params)
-            elif eqn.primitive.name in _INLINED:
-                inner = eqn.params.get("call_jaxpr") or eqn.params.get("jaxpr") or eqn.params.get("fun_jaxpr")
-                closed_inner = inner if hasattr(inner, "consts") else None
-                body = closed_inner.jaxpr if closed_inner is not None else inner
-                outs = run(body, closed_inner.consts if closed_inner is not None else [], vals, layer_params)
-                outs = outs[:len(eqn.outvars)]
-            else:
-                raise EngineError(_inside(eqn.primitive.name))
-            for v, x in zip(eqn.outvars, outs):
-                if not isinstance(v, core.DropVar):
-                    env[v] = x
-        return [read(v) for v in jaxpr.outvars]
-
-    def rescan(eqn: Any, vals: list[Any], layer_params: dict) -> list[Any]:
+    def on_scan(eqn: Any, vals: list, layer_params: dict) -> list:
         p = eqn.params
         nc, nk, body = p["num_consts"], p["num_carry"], p["jaxpr"]
         uids = _layered_calls(body.jaxpr, call_p, calls)
@@ -218,14 +193,15 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], ins: Sequence[Any], call_p: Any,
 
         def step(c: list, x: tuple) -> tuple[list, list]:
             xs_i, params_i = x
-            out = run(body.jaxpr, body.consts, [*consts, *c, *xs_i], {**layer_params, **dict(zip(uids, params_i))})
+            out = _interpret(body.jaxpr, body.consts, [*consts, *c, *xs_i],
+                             {**layer_params, **dict(zip(uids, params_i))}, call_p, on_call, on_scan)
             return out[:nk], out[nk:]
 
         final, ys = jax.lax.scan(step, list(carry), (list(xs), [stacked(u) for u in uids]), length=p["length"],
                                  reverse=p["reverse"], unroll=p["unroll"])
         return [*final, *ys]
 
-    return run(jaxpr, consts, ins, {})
+    return _interpret(jaxpr, consts, ins, {}, call_p, on_call, on_scan)
 
 
 def _inside(name: str) -> str:
