@@ -17,7 +17,7 @@ import pytest
 
 from zinf_jax.config import LossScaleConfig
 from zinf_jax.optim import StreamedAdam, adamw, default_decay_mask, init_loss_scale, update_loss_scale
-from zinf_jax.optim.subgroups import sub_groups
+from zinf_jax.optim.subgroups import PACK_BELOW, sub_groups
 from zinf_jax.plan.partition import from_stored, make_mesh, plan_partition, to_stored
 from zinf_jax.tiers import CpuTier, NvmeTier
 from helpers.engine_utils import nest_paths, unnest_paths
@@ -553,3 +553,28 @@ def test_packs_update_small_shards_together_with_the_same_numbers(kind, sgs, var
         np.testing.assert_array_equal(arr.reshape(-1), shards[key].reshape(-1), err_msg=str(key))
     if variant == "adamw":  # against optax itself, as test_matches_optax
         _assert_close(masters, _optax([_grads(t) for t in range(6)], _init_params()))
+
+
+def test_a_new_order_that_cuts_a_larger_pack_grows_the_buffer_sets():
+    """In path order a shard of 40,000 elements and 15 of 65,536 fill one pack (1,023,040 of PACK_ELEMENTS) and
+    the 16th stays alone; ordered with the small one last (a next forward's order, as the engine asks after its
+    first trace) the 16 large ones make one pack of 1,048,576 elements, larger than any buffer set made for the
+    first plan. The step after the new order updates every parameter as optax does (it failed reading the pack
+    into the smaller sets: "could not broadcast input array from shape (32768,) into shape (32256,)" on a
+    4-block d=512 GPT)."""
+    shapes = {"p00": (40_000,)} | {f"p{k:02d}": (65_536,) for k in range(1, 17)}
+    layouts = plan_partition({p: jax.ShapeDtypeStruct(s, jnp.float32) for p, s in shapes.items()}, make_mesh(),
+                             persistence_threshold=10**6)
+    rng = np.random.default_rng(0)
+    params = {p: rng.uniform(0.5, 1.5, s).astype(np.float32) for p, s in shapes.items()}
+    grads = {p: rng.standard_normal(s).astype(np.float32) for p, s in shapes.items()}
+    spec = adamw(1e-2, weight_decay=0.0, clip_norm=None)
+    opt = _driver(CpuTier(memory="numpy"), layouts, 1 << 20, params, spec=spec, pack_below=PACK_BELOW)
+    before = opt._set_size
+    opt.order([*(p for p in shapes if p != "p00"), "p00"])
+    assert opt._set_size == 16 * 65_536 > before == 40_000 + 15 * 65_536
+    writes = _Writes()
+    _step(opt, layouts, grads, writes)
+    want = _optax([grads], params, optax.adamw(1e-2, weight_decay=0.0))
+    for p in shapes:
+        np.testing.assert_allclose(writes[(p, 0)], want[p], rtol=RTOL, err_msg=p)

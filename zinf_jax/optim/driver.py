@@ -144,12 +144,11 @@ class StreamedOptimizer(MultiShardWork):
         if grad_tier is not None:
             geo = {p: (self._numel[p], self._chunk[p], self._nch[p], lay.num_shards) for p, lay in self.layouts.items()}
             self.grads = TierGrads(grad_tier, geo, self._local, owner)
-        packs = any(isinstance(w, (Pack, Whole)) for w in self._work)  # their gradient is gathered into the set
-        self._set_size = max([self._max_chunk, *(w.size for w in self._work if isinstance(w, (Pack, Whole)))])
-        self._set_arrays = self._n_arrays + (self.grads is not None or packs)
         self._sets: list[BufferSet] = []  # the pool, kept across steps (fresh buffers cost page faults)
         self._free: collections.deque[BufferSet] = collections.deque()
         self._live = 0
+        self._set_size, self._set_arrays = 0, 0
+        self._size_sets()
         self.peak_live_buffers = 0  # most sub-group buffer sets in use at once, since construction
         self._scratch: np.ndarray | None = None  # grad conversion (non-float32 grads)
         self._zeros: np.ndarray | None = None  # the zero grad (read only)
@@ -382,11 +381,26 @@ class StreamedOptimizer(MultiShardWork):
         """Updates the parameters in this order (the next forward's), the others after them.
 
         Changes no number: each sub-group's update is independent of the others,
-        and the global norm is an exact sum.
+        and the global norm is an exact sum. The packs are cut again in the new order, so a pack may now be
+        larger than any before: the buffer sets grow with it (:meth:`_size_sets`).
         """
         rank = {p: i for i, p in enumerate(paths)}
         self._groups.sort(key=lambda g: rank.get(g.path, len(rank)))
         self._work = self._plan()
+        self._size_sets()
+
+    def _size_sets(self) -> None:
+        """Sizes the buffer sets for the planned work: each as large as its largest sub-group, pack or whole
+        parameter, with one more array for the gradient where packs or a grad tier gather it there. A pool of
+        smaller sets (made before a new order cut a larger pack) is dropped, to be allocated again."""
+        packs = any(isinstance(w, (Pack, Whole)) for w in self._work)  # their gradient is gathered into the set
+        size = max([self._max_chunk, *(w.size for w in self._work if isinstance(w, (Pack, Whole)))])
+        arrays = self._n_arrays + (self.grads is not None or packs)
+        if size > self._set_size or arrays > self._set_arrays:
+            if self._live:
+                raise RuntimeError("StreamedOptimizer.order during a step: its buffer sets are in use")
+            self._sets, self._free = [], collections.deque()
+            self._set_size, self._set_arrays = max(size, self._set_size), max(arrays, self._set_arrays)
 
     def _io(self, bs: BufferSet, w: Group | Pack, read: bool) -> None:
         """Reads or writes every state of ``w`` (a sub-group or a pack); each future joins ``bs.pending`` at once."""
