@@ -206,3 +206,28 @@ def test_a_stack_split_along_its_layers_or_called_outside_a_scan_over_it_is_an_e
     with pytest.raises(zinf.EngineError, match=r"holds 4 layers.*inside a transform that is not a scan"):
         eng.train_step(tokens(0))
     eng.close()
+
+
+@pytest.mark.slow  # two nvme engines and a checkpoint (~20 s)
+def test_a_stack_run_layer_by_layer_saved_on_8_devices_restores_on_4_and_goes_on_equally(tmp_path):
+    """The checkpoint of a stack applied layer by layer holds the stacked parameters as the model has them: saved
+    after 2 steps on the 8-device mesh (nvme, streamed), restored on a 4-device mesh, the next 2 steps equal
+    those of the run that went on."""
+    ctor = lambda: ScannedDecoderLM(nnx.Rngs(0), n=4, d=64)  # noqa: E731
+    loss_fn = lambda m, t: xent(m(t[:, :-1]), t[:, 1:])  # noqa: E731
+    batches = [tokens(s) for s in range(4)]
+    policy = zinf.UnitPolicy(patterns=("blocks",))
+    eng = zinf.initialize(ctor, config=nvme(tmp_path / "a", threshold=16), optimizer=_optimizer(), loss_fn=loss_fn,
+                          unit_policy=policy)
+    for b in batches[:2]:
+        eng.train_step(b)
+    eng.save(tmp_path / "ckpt")
+    cont = [eng.train_step(b)["loss"] for b in batches[2:]]
+    cont_params = eng.param_arrays()
+    eng.close()
+    again = zinf.restore(tmp_path / "ckpt", ctor, config=nvme(tmp_path / "b", threshold=16), optimizer=_optimizer(),
+                         loss_fn=loss_fn, unit_policy=policy, mesh=zinf.make_mesh(devices=jax.devices()[:4]))
+    assert again.mesh.shape["fsdp"] == 4 and again.layouts["blocks/qkv/kernel"].shape == (4, 64, 192)
+    np.testing.assert_allclose([again.train_step(b)["loss"] for b in batches[2:]], cont, rtol=1e-5)
+    assert_params(again.param_arrays(), cont_params)
+    again.close()
