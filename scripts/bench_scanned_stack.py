@@ -11,13 +11,18 @@ measurements, each taken in one run:
 * ``compile``: the first step's extra time over a later step's (tracing and compiling) of the scanned model
   against the same blocks in a list applied by a Python loop (unrolled), both through zinf; reps interleaved,
   medians.
+* ``host_copies``: params and optimizer on the cpu tier (the compiled engine), ``--copies-layers`` blocks: the
+  host bytes copied per step for the parameters (the tier's puts of the optimizer's new values and the
+  engine's restacking of scanned runs), as passes over the parameters' bytes, for the scanned stack (its
+  stacked parameter is the step's argument as stored) and for the loop (a scanned run of alike units,
+  restacked from the tier's per-block shards).
 
 The models are the test suite's (``tests/helpers/scan_models.py``: ``ScannedDecoderLM``, ``LoopDecoderLM``).
 
 Usage::
 
-    python scripts/bench_scanned_stack.py [--layers 16] [--d-model 256] [--reps 3] [--dir DIR]
-        [--out results/bench_scanned_stack.json]
+    python scripts/bench_scanned_stack.py [--layers 16] [--d-model 256] [--reps 3] [--copies-layers 4]
+        [--copies-d-model 512] [--dir DIR] [--out results/bench_scanned_stack.json]
 """
 from __future__ import annotations
 
@@ -95,11 +100,29 @@ def compile_time(cls, n: int, d: int, where: Path) -> dict:
     return {"first_s": first, "step_s": min(later), "compile_s": first - min(later)}
 
 
+def host_copies(cls, n: int, d: int, steps: int = 3) -> float:
+    """Host bytes copied per step for the parameters, in passes over their bytes (cpu tier, compiled engine)."""
+    cpu = zinf.Offload("cpu")
+    eng = zinf.initialize(lambda: cls(nnx.Rngs(0), n=n, d=d), config=zinf.ZeroConfig(
+        offload_param=cpu, offload_optimizer=cpu, persistence_threshold=16), optimizer=zinf.adamw(1e-3), loss_fn=_loss)
+    copied = lambda: getattr(eng.store.tier, "copied_bytes", 0) + eng.passes.args.host_copy_bytes  # noqa: E731
+    for s in range(2):
+        float(eng.train_step(_tokens(s))["loss"])
+    before = copied()
+    for s in range(2, 2 + steps):
+        float(eng.train_step(_tokens(s))["loss"])
+    passes = (copied() - before) / steps / (4 * sum(lay.size for lay in eng.layouts.values()))
+    eng.close()
+    return passes
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--copies-layers", type=int, default=4)
+    ap.add_argument("--copies-d-model", type=int, default=512)
     ap.add_argument("--dir", default=None, help="where the nvme tiers go (default: a temporary directory)")
     ap.add_argument("--out", default="results/bench_scanned_stack.json")
     args = ap.parse_args()
@@ -110,6 +133,8 @@ def main() -> None:
         for r in range(args.reps):  # interleaved
             for name, cls in (("scan", ScannedDecoderLM), ("loop", LoopDecoderLM)):
                 runs[name].append(compile_time(cls, args.layers, args.d_model, root / f"{name}_{r}"))
+        copies = {name: host_copies(cls, args.copies_layers, args.copies_d_model)
+                  for name, cls in (("scan", ScannedDecoderLM), ("loop", LoopDecoderLM))}
     finally:
         shutil.rmtree(root, ignore_errors=True)
     med = {k: statistics.median(x["compile_s"] for x in v) for k, v in runs.items()}
@@ -119,13 +144,15 @@ def main() -> None:
         "peak_ratio_deep_to_4_layers": {f"prefetch_depth={k}": by[(args.layers, k)] / by[(4, k)] for k in (0, 2)},
         "peak_over_layer_bytes": {f"prefetch_depth={k}": by[(args.layers, k)] / mem[0]["layer_bytes"] for k in (0, 2)},
         "compile_scan_over_loop": med["scan"] / med["loop"],
+        "host_param_passes_per_step": copies,
         "compile_median_s": med,
         "jax": jax.__version__, "machine": platform.platform(), "cpus": os.cpu_count(),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
     print(json.dumps({k: out[k] for k in ("peak_ratio_deep_to_4_layers", "peak_over_layer_bytes",
-                                          "compile_scan_over_loop", "compile_median_s")}, indent=2))
+                                          "compile_scan_over_loop", "compile_median_s",
+                                          "host_param_passes_per_step")}, indent=2))
 
 
 if __name__ == "__main__":
