@@ -65,8 +65,10 @@ class UnitCall:
     sig: Any
     out_tree: Any
     layer: int | None = None
-    """The layer the call uses, for a unit whose parameters are a stack of layers called inside the model's
-    scan (:mod:`~zinf_jax.engine.unroll`): the scan's iteration; ``None``: the unit's whole parameters."""
+    """For a unit whose parameters are a stack of layers called inside the model's scan: the layer the call uses
+    once the scan is unrolled (the iteration, :func:`~zinf_jax.engine.unroll.unroll`), or ``-1`` while the call
+    is still inside the scan (as recorded, and as the compiled engine keeps it: each iteration takes its layer,
+    :func:`~zinf_jax.engine.unroll.evaluate`); ``None``: the unit's whole parameters."""
 
 
 OutShapes = Callable[[int, str, Any, list, bool], Any]
@@ -107,6 +109,9 @@ class Recorder:
       out_shapes: the output shapes of a unit call (an abstract evaluation of its program).
       typed: the model has Explicit axes: each call's signature records its inputs' specs, and its
         outputs keep the types the abstract evaluation gave them (see [Note: model regions]).
+      stacked: whether a unit's parameters look like a stack of layers: a call of such a unit made inside a
+        transform of the model's code (another trace than the loss's own, :attr:`outer`) is evaluated with one
+        layer's parameters and recorded with ``layer=-1``.
     """
 
     def __init__(self, out_shapes: OutShapes, typed: bool = False, stacked: Callable[[int], bool] = lambda uid: False):
