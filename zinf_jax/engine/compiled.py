@@ -39,7 +39,6 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zinf_jax.engine.arguments import ProgramArgs, Slots
-from zinf_jax.config import ConfigError
 from zinf_jax.engine.glue import TraceCache, Traced, unit_call_p, unit_out_shapes
 from zinf_jax.engine.grads import GradSink
 from zinf_jax.engine.overlap import WriteGate
@@ -195,10 +194,7 @@ class CompiledModel:
         return hit
 
     def _layer_layouts(self, uid: int) -> list[ParamLayout]:
-        try:
-            return [layer_layout(l, self._layers[uid]) for l in self._layouts[uid]]
-        except ConfigError as e:
-            raise EngineError(str(e)) from None
+        return [layer_layout(l, self._layers[uid]) for l in self._layouts[uid]]
 
     def _read(self, lay: ParamLayout, x: Any, dtype: Any) -> jax.Array:
         """A parameter argument read in the program, gathered in ``dtype``: a trained one as its

@@ -90,10 +90,9 @@ def unit_out_shapes(adapter: Any, store: Any, train: bool, model_mesh: ModelMesh
 
     def out_shapes(uid: int, method: str, sig: Any, dyn: list, layered: bool = False) -> Any:
         lays = [store.layouts[p] for p in adapter.units[uid].param_paths]
-        full = [mm.typed(jax.ShapeDtypeStruct(l.shape, store.dtype_of(l.path)), l.gathered_spec) for l in lays]
-        if layered:  # one layer of the stack: its leading axis dropped
-            full = [mm.typed(jax.ShapeDtypeStruct(l.shape[1:], store.dtype_of(l.path)), P(*l.gathered[1:]))
-                    for l in lays]
+        cut = 1 if layered else 0  # one layer of the stack: its leading axis dropped
+        full = [mm.typed(jax.ShapeDtypeStruct(l.shape[cut:], store.dtype_of(l.path)), P(*l.gathered[cut:]))
+                for l in lays]
         specs = sig[2] if len(sig) > 2 and sig[2] else [P()] * len(dyn)
         sds = [mm.typed(x, spec) for x, spec in zip(dyn, specs)]
         fn = adapter.unit_fn(uid, method, train)

@@ -54,13 +54,20 @@ class GradSink:
 
     def add_many(self, paths: Sequence[str], grads: Sequence[jax.Array]) -> None:
         """Adds the gradients of several parameters (a unit's), their device-to-host copies issued together."""
-        parts = [(path, split_local(self.layouts[path], self.mesh, g)) for path, g in zip(paths, grads)]
+        for path, idx, host in self._to_host(paths, [self.layouts[p] for p in paths], grads):
+            self.add_local(path, idx, host)
+
+    def _to_host(self, paths: Sequence[str], layouts: Sequence[ParamLayout],
+                 grads: Sequence[jax.Array]) -> Iterator[tuple[str, int, np.ndarray]]:
+        """``(path, shard index, float32 host shard)`` of each local shard of ``grads`` (sharded as ``layouts``),
+        every device-to-host copy issued before the first is waited for."""
+        parts = [(path, split_local(lay, self.mesh, g)) for path, lay, g in zip(paths, layouts, grads)]
         for _, shards in parts:
             for s in shards.values():
                 s.copy_to_host_async()
         for path, shards in parts:
             for idx, s in shards.items():
-                self.add_local(path, idx, np.asarray(s, dtype=np.float32))
+                yield path, idx, np.asarray(s, dtype=np.float32)
 
     def add_stacked(self, paths: Sequence[str], grad: jax.Array) -> None:
         """Adds gradients that arrive stacked, ``grad[k]`` being ``paths[k]``'s (a scanned run's parameters,
@@ -81,28 +88,22 @@ class GradSink:
         With a target, a stacked shard's rows are summed here and handed over once all ``n`` arrived (a
         backward pass calls every layer once).
         """
-        parts = [(path, split_local(lay, self.mesh, g)) for path, lay, g in zip(paths, layouts, grads)]
-        for _, shards in parts:
-            for s in shards.values():
-                s.copy_to_host_async()
-        for path, shards in parts:
-            for idx, s in shards.items():
-                row = np.asarray(s, dtype=np.float32)
-                with self._lock:
-                    if self.target is None:
-                        acc = self._acc.get((path, idx))
-                        if acc is None:
-                            acc = self._acc[(path, idx)] = np.zeros((n, *row.shape), np.float32)
-                        acc[layer] += row
-                        continue
-                    rows = self._rows.setdefault((path, idx), [np.zeros((n, *row.shape), np.float32), 0])
-                    rows[0][layer] += row
-                    rows[1] += 1
-                    done = rows[1] == n
-                    if done:
-                        del self._rows[(path, idx)]
+        for path, idx, row in self._to_host(paths, layouts, grads):
+            with self._lock:
+                if self.target is None:
+                    acc = self._acc.get((path, idx))
+                    if acc is None:
+                        acc = self._acc[(path, idx)] = np.zeros((n, *row.shape), np.float32)
+                    acc[layer] += row
+                    continue
+                rows = self._rows.setdefault((path, idx), [np.zeros((n, *row.shape), np.float32), 0])
+                rows[0][layer] += row
+                rows[1] += 1
+                done = rows[1] == n
                 if done:
-                    self.target.add(path, idx, rows[0])
+                    del self._rows[(path, idx)]
+            if done:
+                self.target.add(path, idx, rows[0])
 
     def add_local(self, path: str, index: int, grad: np.ndarray) -> None:
         """Adds a host gradient for one local shard (persistent parameters)."""

@@ -54,7 +54,6 @@ from zinf_jax.engine.programs import Penalty, UnitPrograms, model_call
 from zinf_jax.engine.store import ParamStore
 from zinf_jax.engine.tape import Tape
 from zinf_jax.plan.model_mesh import ModelMesh
-from zinf_jax.config import ConfigError
 from zinf_jax.plan.partition import ParamLayout, assemble_many, layer_layout
 from zinf_jax.plan.units import Plan, layer_count
 
@@ -253,7 +252,7 @@ class StreamedModel:
 
     def _fetch_layer(self, uid: int, layer: int) -> list[jax.Array]:
         paths = self.units[uid].param_paths
-        with TraceAnnotation("zinf/fetch", unit=f"{self.units[uid].path}[{layer}]"):
+        with TraceAnnotation("zinf/fetch", unit=self._call_name((uid, layer))):
             with self._stacks_lock:
                 hit = self._stacks.get(uid)
                 if hit is None:
@@ -274,10 +273,7 @@ class StreamedModel:
         """
         got = self._layer_lays.get(uid)
         if got is None:
-            try:
-                got = self._layer_lays[uid] = [layer_layout(l, self._layers[uid]) for l in self._layouts[uid]]
-            except ConfigError as e:
-                raise EngineError(str(e)) from None
+            got = self._layer_lays[uid] = [layer_layout(l, self._layers[uid]) for l in self._layouts[uid]]
         return got
 
     def _unit_penalty(self, unit: Any) -> Penalty | None:
@@ -381,7 +377,7 @@ class StreamedModel:
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((batch, list(glue)))):
             raise EngineError(JIT_MESSAGE)
         traced = self._traced(loss_fn, batch, glue, p.train)
-        forward = tuple((_fetch_key(c), c.method) for c in traced.program.calls)
+        forward = tuple((_fetch_key(c.uid, c.layer), c.method) for c in traced.program.calls)
         backward = p.phase is Phase.TRAIN and self.activation_checkpointing
         self.prefetcher.start(forward + (tuple(reversed(forward)) if backward else ()))
         p.state_bytes = _nbytes_on_devices(self.state)
@@ -409,6 +405,10 @@ class StreamedModel:
         c = calls[k]
         return self._backward(p, c.uid, c.method, c.sig, g, c.layer)
 
+    def _call_name(self, key: int | tuple[int, int]) -> str:
+        """A fetch key as the unit's path (with its layer for a layer of a stack)."""
+        return self.units[key].path if isinstance(key, int) else f"{self.units[key[0]].path}[{key[1]}]"
+
     def _lays(self, uid: int, layer: int | None) -> list[ParamLayout]:
         return self._layouts[uid] if layer is None else self._layer_layouts(uid)
 
@@ -429,7 +429,7 @@ class StreamedModel:
         if save and self._penalties[uid] is not None and uid not in p.penalized:
             p.penalized.add(uid)  # counted once per step, in the unit's first call (its last backward)
             penalty = self._penalties[uid]
-        fk = uid if layer is None else (uid, layer)
+        fk = _fetch_key(uid, layer)
         stored = self.prefetcher.take((fk, method))
         fn = self._unit_fn(uid, method, sig, p.train, layer)
         key, lays = self._key(uid, method, sig, p.train, layer), self._lays(uid, layer)
@@ -460,13 +460,14 @@ class StreamedModel:
         return out
 
     def _backward(self, p: _Pass, uid: int, method: str, sig: tuple, g: Any, layer: int | None = None) -> Any:
-        fk = uid if layer is None else (uid, layer)
+        fk = _fetch_key(uid, layer)
         suid, smethod, parked, extra, nbytes = p.saved.pop()
         p.saved_bytes -= nbytes
         if p.saved:  # the next backward's activations come back while this one computes
             self.activations.prefetch(p.saved[-1][2])
         if (suid, smethod) != (fk, method):
-            raise EngineError(f"backward order mismatch: expected {suid}.{smethod}, got {self.units[uid].path}.{method}")
+            raise EngineError(f"backward order mismatch: expected {self._call_name(suid)}.{smethod}, got "
+                              f"{self._call_name(fk)}.{method}")
         g = [x for x in jax.tree.leaves(g) if x.dtype != jax.dtypes.float0]
         key, lays = self._key(uid, method, sig, p.train, layer), self._lays(uid, layer)
         if self.activation_checkpointing:  # recompute from the inputs, with the unit fetched again
@@ -558,6 +559,6 @@ def _out_spec(out: Any) -> tuple[Any, tuple[tuple[tuple[int, ...], bool], ...]]:
     return tree, tuple((tuple(jnp.shape(x)), bool(jnp.issubdtype(jax.typeof(x).dtype, jnp.inexact))) for x in leaves)
 
 
-def _fetch_key(c: UnitCall) -> int | tuple[int, int]:
+def _fetch_key(uid: int, layer: int | None) -> int | tuple[int, int]:
     """What a call fetches: its unit (uid), or one layer of it (see [Note: layers of a stack])."""
-    return c.uid if c.layer is None else (c.uid, c.layer)
+    return uid if layer is None else (uid, layer)

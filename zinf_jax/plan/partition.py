@@ -34,6 +34,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from zinf_jax.config import ConfigError
+from zinf_jax.errors import EngineError
 
 __all__ = [
     "owns_shard",
@@ -441,7 +442,7 @@ def layer_layout(layout: ParamLayout, n: int) -> ParamLayout:
     that axis, split as the stack is (see [Note: layers of a stack] in :mod:`zinf_jax.engine.streamed`).
 
     Raises:
-      ConfigError: the stack is split along its layer axis (or flattened to be split), so a layer is not
+      EngineError: the stack is split along its layer axis (or flattened to be split), so a layer is not
         spread over the devices; the message says how to keep it whole.
     """
     gathered = tuple(layout.gathered[1:]) if layout.gathered else ()
@@ -451,7 +452,7 @@ def layer_layout(layout: ParamLayout, n: int) -> ParamLayout:
     if layout.kind == "sharded" and layout.dim >= 1:
         return dataclasses.replace(layout, shape=layout.shape[1:], dim=layout.dim - 1, gathered=gathered)
     how = "split along its layers" if layout.kind == "sharded" else "flattened to be split"
-    raise ConfigError(
+    raise EngineError(
         f"zinf_jax: {layout.path} {layout.shape} is a stack of {n} layers applied one layer per iteration of the "
         f"model's scan, but it is {how} ({layout.num_shards} shards): no other axis divides by "
         f"{layout.num_shards}. Keep it whole on every device (ZeroConfig(persistent_params=({layout.path!r},)) or "
