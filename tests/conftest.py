@@ -22,6 +22,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# The tests check numbers, layouts and compile counts of small programs, not the speed of the code XLA:CPU
+# generates, and LLVM's optimisation passes are a large part of compiling a step there: compile at LLVM's
+# level 1. (Level 0 also drops the fused multiply-adds that levels 1 to 3 emit, so XLA's Adam no longer
+# rounds as the host kernel does: the tests that compare the two bit for bit would then fail.)
+# (Subprocesses the tests start get the same flag: helpers.procs.job_env.)
+from helpers.procs import TEST_XLA_FLAGS  # noqa: E402
+
+if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 

@@ -19,6 +19,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from helpers.procs import job_env
 from zinf_jax.app.cli import main
 from zinf_jax.distributed import StopAgreement
 from zinf_jax.errors import Interrupted
@@ -263,7 +264,7 @@ def _cmd(run: Path, *extra: str) -> list[str]:
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    env = job_env()
     env["JAX_NUM_CPU_DEVICES"] = "8"
     return env
 

@@ -3,7 +3,6 @@
 Slow (several full runs of the main job in subprocesses): ``pytest -m slow tests/test_kill_resume.py``.
 """
 import json
-import os
 import random
 import signal
 import subprocess
@@ -15,6 +14,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from helpers.procs import job_env
+
 STEPS, EVERY = 12, 3
 ARGS = ["--d-model", "32", "--n-layers", "2", "--seq", "32", "--batch", "8", "--no-progress",
         "--steps", str(STEPS), "--save-every", str(EVERY)]
@@ -25,7 +26,7 @@ def _cmd(run: Path, *extra):
 
 
 def _env():
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    env = job_env()
     env["JAX_NUM_CPU_DEVICES"] = "8"
     return env
 
