@@ -292,7 +292,7 @@ def test_linen_trainable_predicate_freezes_the_rest(tmp_path):
     tx = optax.chain(tx, freeze)
     st = tx.init(params)
     for _ in range(3):
-        g = jax.grad(lambda p: loss_fn(lambda *a: module.apply({"params": p}, *a), (x, y)))(params)
+        g = jax.jit(jax.grad(lambda p: loss_fn(lambda *a: module.apply({"params": p}, *a), (x, y))))(params)
         u, st = tx.update(g, st, params)
         params = optax.apply_updates(params, u)
     eng = zinf.initialize(module, init_args=(x,), config=zinf.ZeroConfig(persistence_threshold=64), loss_fn=loss_fn,

@@ -53,6 +53,8 @@ def test_compiled_matches_plain_jit(tmp_path, reference, param, opt):
     eng = zinf.initialize(ctor, config=config(tmp_path, param, opt), loss_fn=lm_loss,
                           optimizer=optax.adamw(LR, eps=EPS, weight_decay=0.0))
     assert eng.mode == "compiled"
+    if param == "cpu":  # the 2 blocks are one scanned run (as in test_scanned_runs): a scan forward and backward
+        assert eng.lower(batches(1)[0]).as_text().count("stablehlo.while") == 2
     losses = [eng.train_step(b)["loss"] for b in batches(STEPS)]
     np.testing.assert_allclose(losses, reference[0], rtol=1e-5)
     assert_params(eng.param_arrays(), reference[1])

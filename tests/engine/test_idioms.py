@@ -352,7 +352,7 @@ def test_sow_model_gradients_match(tmp_path):
         return xent(model(toks[:, :-1]), toks[:, 1:]) + 1e-2 * sow_penalty(model)
 
     toks = jnp.asarray(tokens(0))
-    ref_loss, g = nnx.value_and_grad(loss_fn)(ctor(), toks)
+    ref_loss, g = nnx.jit(nnx.value_and_grad(loss_fn))(ctor(), toks)
     ref = flat_nnx(nnx.state(g, nnx.Param))
     sm = build(nnx_adapter(ctor, 64), "nvme", threshold=64, path=tmp_path)
     loss, _, g_glue = sm.forward_backward(loss_fn, jax.device_put(toks, NamedSharding(sm.mesh, P("fsdp"))),

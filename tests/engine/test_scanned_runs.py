@@ -92,7 +92,9 @@ def test_device_memory_and_program_size_do_not_grow_with_depth():
     assert dots(deep) == dots(small) > 0
 
 
-@pytest.mark.parametrize("param", [pytest.param("none", marks=pytest.mark.slow), "cpu"])  # none: test_compiled
+# slow (suite time): test_compiled_matches_plain_jit trains the 2-block scanned run on both tiers in the default suite
+@pytest.mark.slow
+@pytest.mark.parametrize("param", ["none", "cpu"])
 def test_a_scanned_gpt_trains_like_plain_jit_on_both_memory_tiers(param):
     cfg = GPTConfig(vocab=256, d_model=32, n_heads=4, n_layers=4, seq=16)
     mk = lambda: GPT(cfg, rngs=nnx.Rngs(0))  # noqa: E731
