@@ -284,7 +284,7 @@ def test_linen_trainable_predicate_freezes_the_rest(tmp_path):
     def loss_fn(model, batch):
         return jnp.mean((model(batch[0], False) - batch[1]) ** 2)  # train=False: no dropout
 
-    params = module.init(jax.random.key(0), x)["params"]
+    params = jax.jit(module.init)(jax.random.key(0), x)["params"]
     trained = lambda p: p.startswith("block_1")  # noqa: E731
     mask = jax.tree_util.tree_map_with_path(lambda kp, _: trained(path_str(kp_names(kp))), params)
     tx = optax.masked(optax.adam(1e-2), mask)

@@ -86,7 +86,7 @@ def test_dropout_is_active_and_replayed(gpt_reference):
 
 def _linen_matches_value_and_grad(net, x, y, loss, tier, tmp_path, **adapter_kw):
     """Streamed loss and every grad equal value_and_grad of the unwrapped Linen model; returns the model."""
-    params = net.init(jax.random.key(0), x)["params"]
+    params = jax.jit(net.init)(jax.random.key(0), x)["params"]
     ref_loss, ref_g = jax.jit(jax.value_and_grad(lambda p: loss(lambda *a: net.apply({"params": p}, *a), (x, y))))(
         params)
     ref = {"/".join(k): np.asarray(v) for k, v in traverse_util.flatten_dict(ref_g).items()}

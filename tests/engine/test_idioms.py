@@ -1,5 +1,6 @@
 """Real-model idioms, each trained with zinf (params and optimizer on the nvme tier) against
 jit(value_and_grad) + optax.adamw on the unwrapped model: same init, same data, same random bits."""
+import functools
 import logging
 import warnings
 
@@ -99,7 +100,8 @@ def assert_params(got, ref):
 
 def linen_reference(module, init_args, init_kwargs, loss_fn, batches, *, collections=(), param_loss=None):
     """Plain Linen + optax: ``loss_fn`` gets the same callable model as zinf gives it."""
-    variables = module.init(jax.random.key(0), *init_args, **init_kwargs)
+    init = jax.jit(functools.partial(module.init, **init_kwargs))  # jitted: eagerly, an XLA program per op
+    variables = init(jax.random.key(0), *init_args)
     params = nn.unbox(variables["params"])
     state = {c: variables[c] for c in collections}
     tx = optax.adamw(LR, eps=EPS, weight_decay=WD)

@@ -126,7 +126,7 @@ def test_linen_lm_sharing_its_embedding_with_the_head_trains_like_optax(read, tm
                                                  persistence_threshold=THRESHOLD))
     assert "embed" in [u.path for u in eng.adapter.units] and eng.layouts["embed/embedding"].dim is not None
     losses = [eng.train_step(t)["loss"] for t in TOKENS[:5]]
-    ref, params = _linen_reference(module, linen_loss, module.init(jax.random.key(0), tok0)["params"],
+    ref, params = _linen_reference(module, linen_loss, jax.jit(module.init)(jax.random.key(0), tok0)["params"],
                                    optax.adamw(3e-3, eps=EPS), TOKENS[:5])
     np.testing.assert_allclose(losses, ref, rtol=1e-5)
     got = eng.param_arrays()
@@ -146,7 +146,7 @@ def test_linen_tied_tables_gradient_sums_both_uses():
     glue = sm.store.fetch(sm.adapter.glue_paths)
     loss, _, g_glue = sm.forward_backward(linen_loss, jax.device_put(TOKENS[0]), glue, has_aux=False)
     got = streamed_grads(sm, g_glue)
-    params = module.init(jax.random.key(0), tok0)["params"]
+    params = jax.jit(module.init)(jax.random.key(0), tok0)["params"]
     ref_loss, ref = jax.jit(jax.value_and_grad(
         lambda p: linen_loss(lambda x: module.apply({"params": p}, x), TOKENS[0])))(params)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
@@ -245,7 +245,7 @@ def test_linen_logical_rules_and_activation_constraints_on_a_fsdp_tensor_mesh(en
     mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=auto)
     module, tok0, tx = LinenTPLM(), TOKENS[0][:, :-1], optax.adamw(3e-3, eps=EPS)
     with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_RULES):
-        variables = module.init(jax.random.key(0), tok0)
+        variables = jax.jit(module.init)(jax.random.key(0), tok0)  # eager: an XLA program per op
         shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(variables), mesh, LOGICAL_RULES)
         params = jax.device_put(nn.unbox(variables["params"]), shardings["params"])
         ref, params = _linen_reference(module, linen_tp_loss, params, tx, TOKENS[:4],
