@@ -66,7 +66,8 @@ def build_plain(cfg: GPTConfig, mesh, seed: int):
     gdef, params, rest = nnx.split(model, nnx.Param, ...)
     rep = NamedSharding(mesh, P())
     params, rest = jax.device_put((params, rest), rep)
-    tx = optax.adamw(LR, weight_decay=WD)
+    # zinf.adamw's default mask: matrices decayed, vectors (biases, norm scales) not; so the losses compare
+    tx = optax.adamw(LR, weight_decay=WD, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p))
     opt = jax.device_put(tx.init(params), rep)
 
     @jax.jit
