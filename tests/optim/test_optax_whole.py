@@ -193,3 +193,25 @@ def test_bf16_state_storage_on_the_whole_path(tmp_path, layouts):
         assert not np.array_equal(got[p], params[p]), p
     # the rounding shows: float32 state would be told apart at this tolerance
     assert any(not np.allclose(got[p], unrounded[p], rtol=1e-5, atol=1e-6) for p in ref)
+
+
+def test_a_transform_is_proved_once_for_every_rule_built_from_it(layouts):
+    """``estimate_from_model`` and then ``initialize`` (or ``restore``) build a rule each from the user's one
+    transform object: the second build reuses the first's proofs, with the same verdicts; another transform
+    object, however alike, is proved on its own."""
+    from zinf_jax.optim import optax_probe
+
+    tx, params = _trust_on_matrices(), _data()[0]
+    tiers = [CpuTier(memory="numpy") for _ in range(3)]
+    try:
+        first = _driver(tiers[0], layouts, tx, params).rule
+        proved = len(optax_probe._VERDICTS)
+        second = _driver(tiers[1], layouts, tx, params).rule
+        assert len(optax_probe._VERDICTS) == proved
+        assert [second.whole(p) for p in layouts] == [first.whole(p) for p in layouts]
+        assert {p for p in layouts if second.whole(p)} == _want_whole(layouts, "matrices")
+        _driver(tiers[2], layouts, _trust_on_matrices(), params)
+        assert len(optax_probe._VERDICTS) > proved
+    finally:
+        for t in tiers:
+            t.close()

@@ -41,7 +41,7 @@ import numpy as np
 
 from zinf_jax.optim.subgroups import sub_groups
 
-__all__ = ["PROBE_ELEMENTS", "Cut", "Verdict", "classify", "signature", "tensor_coupling", "nest", "leaf",
+__all__ = ["PROBE_ELEMENTS", "Cut", "Verdict", "classify", "verdict", "signature", "tensor_coupling", "nest", "leaf",
            "host_device"]
 
 PROBE_ELEMENTS = 1 << 16
@@ -203,6 +203,27 @@ def _data(shape: tuple[int, ...], seed: int, clip: float | None) -> tuple[np.nda
     if clip is not None:  # keep the head clip (taken out of the transform's hands) inactive
         gs = [(g * _F32(0.25 * clip / max(float(np.linalg.norm(g)), 1e-30))).astype(_F32) for g in gs]
     return p, gs
+
+
+_VERDICTS: dict[tuple, Verdict] = {}
+""":func:`verdict`'s answers by (transform, signature, clip), at most :data:`_VERDICTS_MAX` of them."""
+_VERDICTS_MAX = 4096
+
+
+def verdict(tx: Any, keys: Sequence[str], cut: Cut, clip: float | None, sig: str) -> Verdict:
+    """:func:`classify`, proved once per transform object and :func:`signature` ``sig``: a transform given to
+    ``estimate_from_model`` and then to ``initialize`` (or to ``restore``, or to a second engine) is not probed
+    again. (A transform that cannot be hashed is probed every time.)"""
+    key = (tx, sig, clip)
+    try:
+        hit = _VERDICTS.get(key)
+    except TypeError:
+        return classify(tx, keys, cut, clip)
+    if hit is None:
+        if len(_VERDICTS) >= _VERDICTS_MAX:
+            _VERDICTS.clear()
+        hit = _VERDICTS[key] = classify(tx, keys, cut, clip)
+    return hit
 
 
 def classify(tx: Any, keys: Sequence[str], cut: Cut, clip: float | None) -> Verdict:

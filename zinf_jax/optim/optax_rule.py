@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zinf_jax.errors import ConfigError
-from zinf_jax.optim.optax_probe import Cut, classify, host_device, leaf, nest, signature, tensor_coupling
+from zinf_jax.optim.optax_probe import Cut, host_device, leaf, nest, signature, tensor_coupling, verdict
 from zinf_jax.optim.subgroups import Span
 
 __all__ = ["OptaxRule", "leading_global_clip", "as_transform"]
@@ -122,15 +122,11 @@ class OptaxRule:
         self._by_key: dict[Hashable, Any] = {}  # (program text, input types) -> compiled
         self.why: dict[str, str] = {}
         """Why a parameter takes the whole-tensor path (only those that do)."""
-        verdicts: dict[str, Any] = {}
         cuts = {path: Cut.of(lay, chunks[path]) for path, lay in layouts.items()}
         for path, lay in layouts.items():
             keys = tuple(path.split("/"))
             try:
-                sig = signature(tx, keys, cuts[path])
-                v = verdicts.get(sig)
-                if v is None:
-                    v = verdicts[sig] = classify(tx, keys, cuts[path], self.clip_norm)
+                v = verdict(tx, keys, cuts[path], self.clip_norm, signature(tx, keys, cuts[path]))
             except (TypeError, ValueError, KeyError) as e:
                 raise self._error(f"it cannot be applied to the one parameter {path!r} ({type(e).__name__}: {e})",
                                   "give masks and labels (optax.masked, multi_transform, weight-decay masks) as "
