@@ -210,11 +210,12 @@ _VERDICTS: dict[tuple, Verdict] = {}
 _VERDICTS_MAX = 4096
 
 
-def verdict(tx: Any, keys: Sequence[str], cut: Cut, clip: float | None, sig: str) -> Verdict:
-    """:func:`classify`, proved once per transform object and :func:`signature` ``sig``: a transform given to
-    ``estimate_from_model`` and then to ``initialize`` (or to ``restore``, or to a second engine) is not probed
-    again. (A transform that cannot be hashed is probed every time.)"""
-    key = (tx, sig, clip)
+def verdict(tx: Any, keys: Sequence[str], cut: Cut, clip: float | None) -> Verdict:
+    """:func:`classify`, proved once per transform object and :func:`signature`: parameters whose update is the
+    same program share a proof, and a transform given to ``estimate_from_model`` and then to ``initialize`` (or
+    to ``restore``, or to a second engine) is not probed again. (A transform that cannot be hashed is probed
+    for every parameter.)"""
+    key = (tx, signature(tx, keys, cut), clip)
     try:
         hit = _VERDICTS.get(key)
     except TypeError:

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zinf_jax.errors import ConfigError
-from zinf_jax.optim.optax_probe import Cut, host_device, leaf, nest, signature, tensor_coupling, verdict
+from zinf_jax.optim.optax_probe import Cut, host_device, leaf, nest, tensor_coupling, verdict
 from zinf_jax.optim.subgroups import Span
 
 __all__ = ["OptaxRule", "leading_global_clip", "as_transform"]
@@ -126,7 +126,7 @@ class OptaxRule:
         for path, lay in layouts.items():
             keys = tuple(path.split("/"))
             try:
-                v = verdict(tx, keys, cuts[path], self.clip_norm, signature(tx, keys, cuts[path]))
+                v = verdict(tx, keys, cuts[path], self.clip_norm)
             except (TypeError, ValueError, KeyError) as e:
                 raise self._error(f"it cannot be applied to the one parameter {path!r} ({type(e).__name__}: {e})",
                                   "give masks and labels (optax.masked, multi_transform, weight-decay masks) as "
