@@ -25,8 +25,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The tests check numbers, layouts and compile counts of small programs, not the speed of the code XLA:CPU
 # generates, and LLVM's optimisation passes are a large part of compiling a step there: compile at LLVM's
 # level 1. (Level 0 also drops the fused multiply-adds that levels 1 to 3 emit, so XLA's Adam no longer
-# rounds as the host kernel does: the tests that compare the two bit for bit would then fail.)
-# (Subprocesses the tests start get the same flag: helpers.procs.job_env.)
+# rounds as the host kernel does: the tests that compare the two bit for bit would then fail.) And fusions
+# are emitted by XLA:CPU's classic LLVM IR emitters, not its MLIR fusion emitters, which take about a third
+# more of a small step's compile time.
+# (Subprocesses the tests start get the same flags: helpers.procs.job_env.)
 from helpers.procs import TEST_XLA_FLAGS  # noqa: E402
 
 if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
