@@ -25,9 +25,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The tests check numbers, layouts and compile counts of small programs, not the speed of the code XLA:CPU
 # generates, and LLVM's optimisation passes are a large part of compiling a step there: compile at LLVM's
 # level 1. (Level 0 also drops the fused multiply-adds that levels 1 to 3 emit, so XLA's Adam no longer
-# rounds as the host kernel does: the tests that compare the two bit for bit would then fail.) And fusions
-# are emitted by XLA:CPU's classic LLVM IR emitters, not its MLIR fusion emitters, which take about a third
-# more of a small step's compile time.
+# rounds as the host kernel does: the tests that compare the two bit for bit would then fail.) Fusions are
+# emitted by XLA:CPU's classic LLVM IR emitters, not its MLIR fusion emitters, which take about a third more
+# of a small step's compile time; and LLVM unrolls no loops (-unroll-threshold=0): with the classic emitters
+# it unrolled every reduction of a parameter penalty's loop fusion, and compiling that one step took 30 s.
 # (Subprocesses the tests start get the same flags: helpers.procs.job_env.)
 from helpers.procs import TEST_XLA_FLAGS  # noqa: E402
 

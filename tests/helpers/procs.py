@@ -18,7 +18,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=1 --xla_cpu_use_fusion_emitters=false"
+TEST_XLA_FLAGS = ("--xla_backend_optimization_level=1 --xla_cpu_use_fusion_emitters=false "
+                  "--xla_backend_extra_options=-unroll-threshold=0")
 """What the test process compiles with (see tests/conftest.py), for the processes it starts."""
 
 
