@@ -263,10 +263,8 @@ def _cmd(run: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "zinf_jax.app.cli", "train", "--run-dir", str(run), *TINY, *extra]
 
 
-def _env() -> dict[str, str]:
-    env = job_env()
-    env["JAX_NUM_CPU_DEVICES"] = "8"
-    return env
+ENV = job_env(devices=8)
+"""The CLI processes' environment: the tests' compile flags, 8 CPU devices."""
 
 
 def _wait_for_lines(p: subprocess.Popen, log: Path, lines: int) -> None:
@@ -279,10 +277,10 @@ def _wait_for_lines(p: subprocess.Popen, log: Path, lines: int) -> None:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_signal_mid_run_saves_and_exits_with_its_code(tmp_path, sig):
     run = tmp_path / "run"
-    p = subprocess.Popen(_cmd(run, "--steps", "1000", "--save-every", "0"), env=_env(), stdout=subprocess.PIPE,
+    p = subprocess.Popen(_cmd(run, "--steps", "1000", "--save-every", "0"), env=ENV, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     _wait_for_lines(p, run / "metrics.jsonl", 2)
-    second = subprocess.run(_cmd(run, "--steps", "1000", "--resume"), env=_env(), capture_output=True, text=True)
+    second = subprocess.run(_cmd(run, "--steps", "1000", "--resume"), env=ENV, capture_output=True, text=True)
     assert second.returncode == 2 and f"is in use by pid {p.pid}" in second.stderr, second.stderr  # the lock
     p.send_signal(sig)
     _, err = p.communicate(timeout=300)
@@ -293,7 +291,7 @@ def test_signal_mid_run_saves_and_exits_with_its_code(tmp_path, sig):
     assert summary["interrupted"] and summary["signal"] == name and 2 <= summary["step"] < 1000
     assert (Path(summary["checkpoint"]) / "zinf_meta.json").exists()
     assert Path(summary["checkpoint"]).name == f"step_{summary['step']:08d}"
-    resumed = subprocess.run(_cmd(run, "--steps", str(summary["step"] + 2), "--resume"), env=_env(),
+    resumed = subprocess.run(_cmd(run, "--steps", str(summary["step"] + 2), "--resume"), env=ENV,
                              capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
     assert json.loads((run / "summary.json").read_text())["steps_run"] == 2
@@ -306,7 +304,7 @@ CRASHES = (-signal.SIGSEGV, -signal.SIGABRT, -signal.SIGBUS, 128 + signal.SIGSEG
 @pytest.mark.parametrize("delay", [0.5, 1.5, 2.5, 3.5, 5.0, 7.0, 9.0])
 def test_ctrl_c_at_any_moment_of_startup_exits_cleanly(tmp_path, delay):
     run = tmp_path / "run"
-    p = subprocess.Popen(_cmd(run, "--steps", "1000", "--save-every", "0"), env=_env(), stdout=subprocess.PIPE,
+    p = subprocess.Popen(_cmd(run, "--steps", "1000", "--save-every", "0"), env=ENV, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     time.sleep(delay)
     p.send_signal(signal.SIGINT)

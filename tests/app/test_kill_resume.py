@@ -25,10 +25,8 @@ def _cmd(run: Path, *extra):
     return [sys.executable, "-m", "zinf_jax.app.cli", "train", "--run-dir", str(run), *ARGS, *extra]
 
 
-def _env():
-    env = job_env()
-    env["JAX_NUM_CPU_DEVICES"] = "8"
-    return env
+ENV = job_env(devices=8)
+"""The CLI processes' environment: the tests' compile flags, 8 CPU devices."""
 
 
 def _losses(run: Path) -> dict[int, float]:
@@ -48,20 +46,20 @@ def _state(step_dir: Path) -> dict:
 @pytest.mark.parametrize("update", ["in_place", "double_slot"])
 def test_sigkill_then_resume_reproduces_uninterrupted_run(tmp_path, update):
     ref = tmp_path / "ref"
-    subprocess.run(_cmd(ref), check=True, env=_env(), capture_output=True)
+    subprocess.run(_cmd(ref), check=True, env=ENV, capture_output=True)
     ref_losses = _losses(ref)
     ref_state = _state(ref / "ckpt" / f"step_{STEPS:08d}")
     rng = random.Random(0)
     for trial in range(3):
         run = tmp_path / f"killed{trial}"
-        p = subprocess.Popen(_cmd(run, "--nvme-update", update), env=_env(), stdout=subprocess.DEVNULL,
+        p = subprocess.Popen(_cmd(run, "--nvme-update", update), env=ENV, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
         while not any((run / "ckpt").glob("step_*/zinf_meta.json")) and p.poll() is None:
             time.sleep(0.2)
         time.sleep(rng.uniform(0.0, 6.0))  # somewhere in the following steps or a save
         p.send_signal(signal.SIGKILL)
         p.wait()
-        subprocess.run(_cmd(run, "--resume", "--nvme-update", update), check=True, env=_env(), capture_output=True)
+        subprocess.run(_cmd(run, "--resume", "--nvme-update", update), check=True, env=ENV, capture_output=True)
         losses = _losses(run)
         assert losses == ref_losses, trial
         state = _state(run / "ckpt" / f"step_{STEPS:08d}")
@@ -87,9 +85,9 @@ def test_sigkill_mid_step_in_place_is_refused_then_resume_is_bitwise(tmp_path):
 
     args = ["--d-model", "128", "--n-layers", "4", "--steps", "30", "--save-every", "5"]
     ref = tmp_path / "ref"
-    subprocess.run(_cmd(ref, *args), check=True, env=_env(), capture_output=True)
+    subprocess.run(_cmd(ref, *args), check=True, env=ENV, capture_output=True)
     run = tmp_path / "killed"
-    p = subprocess.Popen(_cmd(run, *args), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(_cmd(run, *args), env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     manifest = run / "nvme" / "optimizer" / "process_0" / "MANIFEST.json"
     caught = False
     while p.poll() is None and not caught:  # kill while the optimizer rewrites the tier in place
@@ -105,9 +103,9 @@ def test_sigkill_mid_step_in_place_is_refused_then_resume_is_bitwise(tmp_path):
     assert caught, "the run ended before a step could be caught in progress"
     with pytest.raises(TierDataError, match="half-updated"):
         NvmeTier(manifest.parent.parent)
-    again = subprocess.run(_cmd(run, *args), env=_env(), capture_output=True, text=True)
+    again = subprocess.run(_cmd(run, *args), env=ENV, capture_output=True, text=True)
     assert again.returncode != 0 and "half-updated" in again.stderr and "--resume" in again.stderr, again.stderr
-    subprocess.run(_cmd(run, *args, "--resume"), check=True, env=_env(), capture_output=True)
+    subprocess.run(_cmd(run, *args, "--resume"), check=True, env=ENV, capture_output=True)
     assert _losses(run) == _losses(ref)
     ref_state, state = _state(ref / "ckpt" / "step_00000030"), _state(run / "ckpt" / "step_00000030")
     for g, tree in ref_state.items():

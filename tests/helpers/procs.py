@@ -23,12 +23,15 @@ TEST_XLA_FLAGS = ("--xla_backend_optimization_level=1 --xla_cpu_use_fusion_emitt
 """What the test process compiles with (see tests/conftest.py), for the processes it starts."""
 
 
-def job_env(jax_cache: bool = False) -> dict[str, str]:
+def job_env(jax_cache: bool = False, devices: int | None = None) -> dict[str, str]:
     """This environment without JAX_/XLA_ settings (each worker sets its own devices) but the tests' compile
-    flag (:data:`TEST_XLA_FLAGS`); ``jax_cache`` passes the test run's compilation cache directory on
+    flags (:data:`TEST_XLA_FLAGS`); ``devices`` sets the processes' CPU device count
+    (``JAX_NUM_CPU_DEVICES``); ``jax_cache`` passes the test run's compilation cache directory on
     (``ZINF_TEST_JAX_CACHE``)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
     env["XLA_FLAGS"] = TEST_XLA_FLAGS
+    if devices is not None:
+        env["JAX_NUM_CPU_DEVICES"] = str(devices)
     if jax_cache:
         import jax
 
