@@ -55,9 +55,17 @@ def test_compiled_matches_plain_jit(tmp_path, reference, param, opt):
     assert eng.mode == "compiled"
     if param == "cpu":  # the 2 blocks are one scanned run (as in test_scanned_runs): a scan forward and backward
         assert eng.lower(batches(1)[0]).as_text().count("stablehlo.while") == 2
-    losses = [eng.train_step(b)["loss"] for b in batches(STEPS)]
+    copied = lambda: getattr(eng.store.tier, "copied_bytes", 0) + eng.passes.args.host_copy_bytes  # noqa: E731
+    losses, at = [], {}
+    for k, b in enumerate(batches(STEPS)):
+        at[k] = copied()
+        losses.append(eng.train_step(b)["loss"])
     np.testing.assert_allclose(losses, reference[0], rtol=1e-5)
     assert_params(eng.param_arrays(), reference[1])
+    if (param, opt) == ("cpu", "cpu"):  # the trained params' host bytes are copied once a step, stack and all
+        lays, paths = eng.store.layouts, eng.passes.args.paths
+        once = sum(4 * int(np.prod(lays[p].shard_shape)) * len(eng.store.local_indices(p)) for p in paths)
+        assert once and [at[k + 1] - at[k] for k in range(2, STEPS - 1)] == [once] * (STEPS - 3)
     eng.close()
 
 

@@ -163,6 +163,38 @@ def test_memory_tiers_hold_one_copy_in_program_order(kind, tmp_path):
     t.close()
 
 
+def test_shards_kept_as_rows_of_one_array_follow_every_later_put():
+    """CpuTier.share_rows: the optimizer's masters of a scanned run, read in one piece ([Note: masters in rows])."""
+    t = CpuTier(memory="numpy")
+    spec = ShardSpec(shard_shape=(1 << 17,), dtype="float32", num_shards=2)  # past INLINE_BYTES: puts on the pool
+    keys = [f"master/l{k}" for k in range(3)]
+    for k, key in enumerate(keys):
+        t.declare(key, spec)
+        for i in range(2):
+            t.put(key, i, np.full(1 << 17, 10 * k + i, np.float32))
+    rows = t.share_rows(keys, 1)  # waits for the puts in flight
+    assert rows.shape == (3, 1 << 17) and [float(r[0]) for r in rows] == [1.0, 11.0, 21.0]
+    before = t.stored_bytes()
+    t.put(keys[1], 1, np.full(1 << 17, -5, np.float32)).result()
+    t.put_many([(keys[2], 1, np.full(1 << 17, -7, np.float32))])
+    assert [float(r[-1]) for r in rows] == [1.0, -5.0, -7.0] and t.stored_bytes() == before
+    assert float(np.asarray(t.get(keys[1], 0).result())[0]) == 10.0  # another shard index is not touched
+    assert t.share_rows(keys, 1) is rows and t.share_rows(keys[:2], 1) is not rows
+    t.declare("other", ShardSpec(shard_shape=(8,), dtype="float32", num_shards=2))
+    t.put("other", 1, np.zeros(8, np.float32)).result()
+    with pytest.raises(TierError, match="differ in shape"):
+        t.share_rows([keys[0], "other"], 1)
+    t.declare("empty", spec)
+    with pytest.raises(TierError, match="no data"):
+        t.share_rows([keys[0], "empty"], 1)
+    pinned = CpuTier(memory="pinned_host")
+    pinned.declare("p", spec)
+    with pytest.raises(TierError, match="memory='numpy'"):
+        pinned.share_rows(["p"], 0)
+    t.close()
+    pinned.close()
+
+
 def test_small_memory_transfers_complete_in_the_caller():
     # below INLINE_BYTES a put/get is done when it returns (no pool round trip); at it, it goes to the pool
     from zinf_jax.tiers.memory import INLINE_BYTES

@@ -22,6 +22,7 @@ from zinf_jax.engine.overlap import WriteGate
 from zinf_jax.engine.runs import Run
 from zinf_jax.engine.store import ParamStore
 from zinf_jax.plan.partition import assemble_many, stacked_layout
+from zinf_jax.tiers.memory import put_source
 
 __all__ = ["ProgramArgs", "Slots"]
 
@@ -109,8 +110,8 @@ class ProgramArgs:
 
     Attributes:
       fetch_wait_s: seconds so far reading the shards into the program's arguments.
-      host_copy_bytes: bytes copied on the host so far building the arguments (the stacks of the cpu
-        tier's shards; fetching a path as stored copies nothing).
+      host_copy_bytes: bytes copied on the host so far building the arguments (the optimizer's masters
+        copied out, the stacks of the cpu tier's shards; fetching a path as stored copies nothing).
     """
 
     def __init__(self, store: ParamStore, *, host_params: bool, paths: Sequence[str], gate: WriteGate):
@@ -136,7 +137,12 @@ class ProgramArgs:
         stacked_paths = {p for paths in slots.stacks for p in paths if self._raw_stack(p)}
         stale = [p for p in self.paths
                  if p not in stacked_paths and self._fetched.get(p, (-1,))[0] != self.store.writes(p)]
-        for p, arr in zip(stale, self.store.fetch(stale, memory_kind=kind) if stale else []):
+        views = {p: v for p in stale if self.host_params and (v := self.store.host_view(p)) is not None}
+        stored = [p for p in stale if p not in views]
+        for p, arr in zip(stored, self.store.fetch(stored, memory_kind=kind) if stored else []):
+            self._fetched[p] = (self.store.writes(p), arr)
+        viewed = list(views)
+        for p, arr in zip(viewed, self._copy_out([self.store.layouts[p] for p in viewed], list(views.values()))):
             self._fetched[p] = (self.store.writes(p), arr)
         self._restack(slots.stacks)
         stacked = [self._stacked[paths][1] for paths in slots.stacks]
@@ -155,6 +161,17 @@ class ProgramArgs:
             else:
                 self._stacked[slots.stacks[slot]] = (tuple(self.store.writes(p) for p in slots.stacks[slot]), x)
 
+    def _copy_out(self, layouts: Sequence[Any], bufs: Sequence[dict[int, np.ndarray]]) -> list[jax.Array]:
+        """Sharded arrays in pinned host memory from host buffers that the optimizer overwrites in place (its
+        masters: see [Note: masters in rows] in :mod:`zinf_jax.optim.state_io`), each copied once (counted)."""
+        if not bufs:
+            return []
+        dev = self.mesh.devices.flat[0]
+        owned = [{i: put_source(x, x.dtype, dev) for i, x in b.items()} for b in bufs]
+        self.host_copy_bytes += sum(x.nbytes for b in owned for x in b.values())
+        # the transfers finish here: the buffers they read are rewritten by the next optimizer step
+        return jax.block_until_ready(assemble_many(layouts, self.mesh, owned, memory_kind="pinned_host"))
+
     def _raw_stack(self, path: str) -> bool:
         """A stack of ``path``'s layout is built from the tier's shards, not from fetched arrays."""
         return self.host_params or self.store.layouts[path].dim is None
@@ -163,9 +180,11 @@ class ProgramArgs:
         """Rebuilds the stacks (each: the stored shards of ``paths``, one layout, along a new first axis, in
         their tier's memory) of which the store wrote a path since they were built.
 
-        Stacks built from the tier's shards (the cpu tier's host shards; a persistent parameter's one
-        shard) are stacked per shard index (numpy on the host) and placed by one batched put for all of
-        them; the device tier's sharded ones by one jitted stack of the fetched arrays each.
+        Stacks of the optimizer's masters kept as rows of one host array are copied out whole, once (see
+        [Note: masters in rows] in :mod:`zinf_jax.optim.state_io`). Other stacks built from the tier's shards
+        (the cpu tier's host shards; a persistent parameter's one shard) are stacked per shard index (numpy
+        on the host) and placed by one batched put for all of them; the device tier's sharded ones by one
+        jitted stack of the fetched arrays each.
         """
         stale = []
         for paths in stacks:
@@ -174,6 +193,12 @@ class ProgramArgs:
             if hit is None or hit[0] != writes:
                 stale.append((paths, writes))
         raw = [(paths, w) for paths, w in stale if self._raw_stack(paths[0])]
+        rows = [self.store.host_rows(paths) if self.host_params else None for paths, _ in raw]
+        direct = [(paths, w, r) for (paths, w), r in zip(raw, rows) if r is not None]  # the optimizer's rows
+        lays = [stacked_layout(self.store.layouts[paths[0]], len(paths)) for paths, _, _ in direct]
+        for (paths, writes, _), out in zip(direct, self._copy_out(lays, [r for _, _, r in direct])):
+            self._stacked[paths] = (writes, out)
+        raw = [(paths, w) for (paths, w), r in zip(raw, rows) if r is None]
         if raw:
             shards = self.store.read_shards([p for paths, _ in raw for p in paths])
             lays, bufs, at = [], [], 0

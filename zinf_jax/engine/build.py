@@ -191,7 +191,7 @@ def build(adapter: Any, *, config: ZeroConfig, mesh: Mesh, optimizer: Any, init:
             state_dtype=config.moments_dtype,
         )
         opt.declare()
-        store = ParamStore(param_tier, layouts, mesh, compute_dtype, master=opt.read_state_async,
+        store = ParamStore(param_tier, layouts, mesh, compute_dtype, master=opt,
                            master_paths=trained if where.shared_master else ())  # See [Note: shared fp32 master]
         if init == "fresh":
             def to_optimizer(path: str, arr: jax.Array) -> list:

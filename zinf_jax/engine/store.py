@@ -16,7 +16,7 @@ parameter on disk, and no parameter write after the optimizer step. See
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Callable, Collection, Mapping, Sequence
+from typing import Callable, Collection, Mapping, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,8 +30,26 @@ from zinf_jax.errors import ParamMismatchError
 
 __all__ = ["ParamStore", "ParamMismatchError", "local_indices_of"]
 
-MasterReader = Callable[[str, int], Future]
-"""``read(path, index)``: a future of the float32 master shard (stored form) of a trained parameter."""
+class MasterSource(Protocol):
+    """Where the float32 master shards of trained parameters are read (the optimizer,
+    :class:`~zinf_jax.optim.driver.StreamedOptimizer`)."""
+
+    def read_state_async(self, path: str, index: int, name: str = "master") -> Future:
+        """A future of a copy of one master shard, stored form."""
+        ...
+
+    def host_master(self, path: str, index: int) -> np.ndarray | None:
+        """The master shard itself in host RAM (changed in place by every step), or ``None``."""
+        ...
+
+    def host_master_rows(self, paths: Sequence[str], index: int) -> np.ndarray | None:
+        """The master shards ``index`` of ``paths`` as the rows of one host array (kept so), or ``None``."""
+        ...
+
+    @property
+    def master_version(self) -> int:
+        """Grows with every write of the masters."""
+        ...
 
 
 def local_indices_of(layouts: Mapping[str, ParamLayout], mesh: Mesh) -> Callable[[str], list[int]]:
@@ -48,13 +66,13 @@ class ParamStore:
       layouts: path to layout for every parameter.
       mesh: the mesh.
       compute_dtype: dtype of floating parameters in the tier and in compute.
-      master: reads the optimizer's float32 master shards of ``master_paths``
+      master: the optimizer, whose float32 master shards of ``master_paths`` are their values
         (float32 compute only): those paths are not stored here at all.
-      master_paths: the parameters read through ``master``.
+      master_paths: the parameters read from ``master``.
     """
 
     def __init__(self, tier: Tier, layouts: Mapping[str, ParamLayout], mesh: Mesh, compute_dtype: str, *,
-                 master: MasterReader | None = None, master_paths: Collection[str] = ()):
+                 master: MasterSource | None = None, master_paths: Collection[str] = ()):
         self.tier = tier
         self.layouts = dict(layouts)
         self.mesh = mesh
@@ -123,17 +141,36 @@ class ParamStore:
         return self.tier.put_many(items) if items else []
 
     def writes(self, path: str) -> int:
-        """How many writes of ``path`` this store has issued: a value read after the last one is still current.
+        """Grows with every write of ``path``: a value read when it was the same is still current.
 
-        (Not for the paths read from the optimizer's master, which the optimizer rewrites itself.)
+        (For a path read from the optimizer's master, the optimizer's writes: :attr:`MasterSource.master_version`.)
         """
+        if path in self.master_paths:  # See [Note: shared fp32 master]
+            return self._master.master_version
         return self._writes.get(path, 0)
 
     def read_local(self, path: str, index: int) -> Future:
         """A future of one local shard as stored (a host array, or a device array on the device tier)."""
         if path in self.master_paths:  # See [Note: shared fp32 master]
-            return self._master(path, index)
+            return self._master.read_state_async(path, index)
         return self.tier.get(path, index)
+
+    def host_view(self, path: str) -> dict[int, np.ndarray] | None:
+        """This process's shards of ``path`` as the host buffers that hold them (not copies), or ``None`` if they
+        are not such buffers: the optimizer's masters in host RAM, which change in place at its next step (see
+        [Note: masters in rows] in :mod:`zinf_jax.optim.state_io`)."""
+        if path not in self.master_paths:
+            return None
+        out = {i: self._master.host_master(path, i) for i in self.local_indices(path)}
+        return None if any(x is None for x in out.values()) else out
+
+    def host_rows(self, paths: Sequence[str]) -> dict[int, np.ndarray] | None:
+        """Per local shard index, the shards of ``paths`` (one layout) as the rows of one host buffer that holds
+        them (and keeps them so), or ``None`` where :meth:`host_view` of one of them is."""
+        if not all(p in self.master_paths for p in paths):
+            return None
+        out = {i: self._master.host_master_rows(paths, i) for i in self.local_indices(paths[0])}
+        return None if any(x is None for x in out.values()) else out
 
     def fetch(self, paths: Sequence[str], memory_kind: str | None = None) -> list[jax.Array]:
         """Reads ``paths`` from the tier as sharded device arrays (stored form).

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import numpy as np
 from jax.profiler import TraceAnnotation
 
-from zinf_jax._internal.futures import all_of, is_future, wait_all
+from zinf_jax._internal.futures import is_future, wait_all
 from zinf_jax.config.zero import MOMENTS_DTYPES
 from zinf_jax.optim.grads_out import TierGrads
 from zinf_jax.optim.kernel import all_finite, sum_squares
@@ -51,9 +51,10 @@ from zinf_jax.optim.rules import UpdateRule, make_rule
 from zinf_jax.optim.scaling import LossScaler, grad_scale, init_loss_scale, update_loss_scale
 from zinf_jax.optim.subgroups import (PACK_BELOW, PACK_ELEMENTS, BufferSet, Group, Pack, Pipe, Whole, pack_groups,
                                      sub_groups, work_name)
+from zinf_jax.optim.state_io import StateAccess
 from zinf_jax.optim.work import MultiShardWork
 from zinf_jax.tiers.base import ShardSpec, Tier, np_dtype
-from zinf_jax.tiers.direct import aligned_empty
+from zinf_jax.tiers.memory import CpuTier
 
 if TYPE_CHECKING:
     from zinf_jax.config import LossScaleConfig
@@ -72,7 +73,7 @@ RAM during the next forward and backward does not hold the optimizer's buffers a
 forward's own ~2 GiB), for a refault a step that costs a few tenths of a second of a 20 s step."""
 
 
-class StreamedOptimizer(MultiShardWork):
+class StreamedOptimizer(MultiShardWork, StateAccess):
     """An optimizer over state kept in a tier, streamed sub-group by sub-group.
 
     Args:
@@ -153,6 +154,7 @@ class StreamedOptimizer(MultiShardWork):
         self._scratch: np.ndarray | None = None  # grad conversion (non-float32 grads)
         self._zeros: np.ndarray | None = None  # the zero grad (read only)
         self._assembly: np.ndarray | None = None  # a multi-chunk shard handed to write_param
+        self._host_buffers = isinstance(tier, CpuTier) and tier.memory == "numpy"  # [Note: masters in rows]
         self._assembly_pending: list[Future] = []
         self._on_written: Callable[[str], None] | None = None
         self._left: collections.Counter = collections.Counter()  # sub-groups of each path not yet written
@@ -206,79 +208,6 @@ class StreamedOptimizer(MultiShardWork):
             self._zeros = np.zeros(self._max_chunk, np.float32)
             self._zeros.flags.writeable = False
         return self._zeros
-
-    def init_shard(self, path: str, index: int, master: np.ndarray, *, wait: bool = True) -> list[Future]:
-        """Writes one shard's initial state: ``master`` and zero moments, chunk by chunk. Moments that start at zero
-        (the rule's ``init_states`` is ``None``: Adam's) go to :meth:`Tier.put_zeros` (the nvme tier allocates
-        their files instead of writing them: two thirds of init's bytes at fp32).
-
-        Args:
-          path: the parameter path.
-          index: the shard index (one of ``local_indices(path)``).
-          master: the float32 stored-form shard (``layout.shard_shape``); other
-            float dtypes are converted one chunk at a time.
-          wait: return once the writes are done; ``False``: return the futures
-            of the last writes still in flight (``master`` must stay unchanged
-            until they resolve), so that the caller can compute meanwhile.
-
-        Raises:
-          ValueError: ``master`` has the wrong number of elements.
-        """
-        flat = np.asarray(master).reshape(-1)
-        numel, chunk, n = self._numel[path], self._chunk[path], self._nch[path]
-        if flat.shape[0] != numel:
-            raise ValueError(f"master shard of {path!r} has {flat.shape[0]} elements, layout says {numel}")
-        zeros = self._zero_buffer()[:chunk]
-        futs: list[Future] = []
-        for c in range(n):
-            part = np.ascontiguousarray(flat[c * chunk:(c + 1) * chunk], dtype=np.float32)
-            if part.shape[0] < chunk:
-                part = np.concatenate([part, zeros[part.shape[0]:]])
-            futs.append(self.tier.put(f"master/{path}", index * n + c, part))
-            states = self.rule.init_states(path, part)
-            for k, s in enumerate(self._names[path][1:]):
-                key, at = f"{s}/{path}", index * n + c
-                futs.append(self.tier.put_zeros(key, at) if states is None else self.tier.put(key, at, states[k]))
-            if len(futs) >= 3 * self.buffer_count:  # bound the caller-visible memory in flight
-                futs.pop(0).result()
-        if wait:
-            for f in futs:
-                f.result()
-        return futs
-
-    def read_master(self, path: str, index: int) -> np.ndarray:
-        """The float32 master shard (stored form, ``layout.shard_shape``) as currently stored."""
-        return self.read_state(path, index, "master")
-
-    def read_state(self, path: str, index: int, name: str) -> np.ndarray:
-        """One state (``master``, ``m``, ...) of one shard, float32 in stored form, as currently stored."""
-        return self.read_state_async(path, index, name).result()
-
-    def read_state_async(self, path: str, index: int, name: str = "master") -> Future:
-        """A future of :meth:`read_state` (its chunks are read concurrently)."""
-        numel, chunk, n = self._numel[path], self._chunk[path], self._nch[path]
-        dtype = np.dtype(np_dtype(self._dtype_of(name)))
-        out = aligned_empty(dtype.itemsize * n * chunk).view(dtype)
-        futs = [self.tier.get(f"{name}/{path}", index * n + c, out=out[c * chunk:(c + 1) * chunk]) for c in range(n)]
-        shape = self.layouts[path].shard_shape
-        done: Future = Future()
-
-        def finish(f: Future) -> None:
-            if f.exception() is not None:
-                done.set_exception(f.exception())
-            else:  # float32, whatever the stored dtype
-                done.set_result(out[:numel].astype(np.float32, copy=dtype != np.float32).reshape(shape))
-
-        all_of(futs).add_done_callback(finish)
-        return done
-
-    def write_state(self, path: str, index: int, name: str, value: np.ndarray) -> None:
-        """Writes one state of one shard (a checkpoint being restored), chunk by chunk."""
-        numel, chunk, n = self._numel[path], self._chunk[path], self._nch[path]
-        flat = np.zeros(n * chunk, np.float32)
-        flat[:numel] = np.asarray(value, np.float32).reshape(-1)
-        for f in [self.tier.put(f"{name}/{path}", index * n + c, flat[c * chunk:(c + 1) * chunk]) for c in range(n)]:
-            f.result()
 
     # --- state --------------------------------------------------------------
     @property

@@ -24,14 +24,14 @@ from zinf_jax._internal.futures import done_future
 from zinf_jax.tiers.base import ByteBudget, ShardSpec, TierError, np_dtype as _np
 from zinf_jax.tiers.keys import KeyRegistry
 
-__all__ = ["DeviceTier", "CpuTier"]
+__all__ = ["DeviceTier", "CpuTier", "put_source"]
 
 # [Note: one copy per put]
 # A put of a numpy shard makes one copy, into the tier's own array: the caller (the optimizer) reuses its
 # buffers, so the tier may not keep them. To a GPU's or TPU's pinned host memory jax.device_put is that
 # copy (a pageable numpy buffer cannot be pinned memory). On the CPU backend device_put may alias the numpy
 # buffer (may_alias=False does not stop it for host memory kinds), so there the tier copies into a fresh
-# array first and the put aliases it: one copy on every backend (_own).
+# array first and the put aliases it: one copy on every backend (put_source).
 # MemoryTier.copied_bytes counts these copies (see scripts/bench_step.py's host-copy count).
 
 
@@ -43,7 +43,7 @@ def _nbytes(value: Any) -> int:
     return math.prod(value.shape) * np.dtype(value.dtype).itemsize
 
 
-def _own(value: Any, dtype: Any, device: jax.Device) -> np.ndarray:
+def put_source(value: Any, dtype: Any, device: jax.Device) -> np.ndarray:
     """``value`` as the source of a put to ``device`` that copies it once (see [Note: one copy per put])."""
     if device.platform == "cpu":
         return np.array(value, dtype=dtype, copy=True)
@@ -176,7 +176,7 @@ class _MemoryTier:
                     self._set(key, index, self._place(index, value, spec, self._data.get((key, index))))
                 self._version += 1
             return [done_future()]
-        hosts = [_own(value, _np(spec.dtype), self._placement(index)) for (_, index, value), spec in zip(items, specs)]
+        hosts = [put_source(value, _np(spec.dtype), self._placement(index)) for (_, index, value), spec in zip(items, specs)]
         targets = [jax.sharding.SingleDeviceSharding(self._placement(index), memory_kind=kind) for _, index, _ in items]
         arrays = jax.device_put(hosts, targets) if hosts else []  # one copy each: [Note: one copy per put]
         for h in hosts:
@@ -314,7 +314,7 @@ class DeviceTier(_MemoryTier):
             return value.astype(spec.dtype) if value.dtype != spec.dtype else value
         dev = self._placement(index)
         self._copied(value)  # See [Note: one copy per put]
-        return jax.device_put(_own(value, _np(spec.dtype), dev), dev).block_until_ready()
+        return jax.device_put(put_source(value, _np(spec.dtype), dev), dev).block_until_ready()
 
 
 class CpuTier(_MemoryTier):
@@ -347,6 +347,39 @@ class CpuTier(_MemoryTier):
     def _memory_kind(self) -> str | None:
         return None if self.memory == "numpy" else "pinned_host"
 
+    def share_rows(self, keys: Sequence[str], index: int) -> np.ndarray:
+        """Keeps shard ``index`` of ``keys`` (one shard layout) as the rows of one array, which it returns.
+
+        The shards keep their values, and every later put of one of them overwrites its row in place, so the
+        array always holds their current values: a holder reads all of them at once, without stacking them
+        (see [Note: masters in rows] in :mod:`zinf_jax.optim.state_io`). A key's shards are already rows of
+        the returned array when it is asked again for the same keys.
+
+        Raises:
+          TierError: the tier keeps ``pinned_host`` arrays (immutable: no put is in place), the keys'
+            layouts differ, or a shard has no data.
+        """
+        if self.memory != "numpy":
+            raise TierError("cpu tier: only memory='numpy' shards can be kept as rows of one array")
+        specs = [self._check(key, index) for key in keys]
+        if len({(s.shard_shape, s.dtype) for s in specs}) != 1:
+            raise TierError(f"cpu tier: shards of {list(keys)} differ in shape or dtype; they cannot share an array")
+        self._settle_many([(key, index) for key in keys])
+        with self._lock:
+            old = [self._data.get((key, index)) for key in keys]
+            missing = [key for key, x in zip(keys, old) if x is None]
+            if missing:
+                raise TierError(f"cpu tier: no data for shard {index} of {missing[0]!r}")
+            base = old[0].base if isinstance(old[0].base, np.ndarray) else None
+            if (base is not None and base.shape[0] == len(keys)
+                    and all(x.base is base and x.ctypes.data == base[k].ctypes.data for k, x in enumerate(old))):
+                return base
+            rows = np.empty((len(keys), *specs[0].shard_shape), old[0].dtype)
+            for k, (key, x) in enumerate(zip(keys, old)):
+                rows[k] = x
+                self._data[(key, index)] = rows[k]
+            return rows
+
     def _place(self, index: int, value: Any, spec: ShardSpec, old: Any) -> Any:
         if self.memory == "numpy":
             self._copied(value)
@@ -359,5 +392,5 @@ class CpuTier(_MemoryTier):
         if isinstance(value, jax.Array):  # immutable: moved (a copy only between memories)
             return jax.device_put(value, sharding).block_until_ready()
         self._copied(value)  # See [Note: one copy per put]
-        return jax.device_put(_own(value, _np(spec.dtype), dev), sharding).block_until_ready()
+        return jax.device_put(put_source(value, _np(spec.dtype), dev), sharding).block_until_ready()
 
