@@ -52,6 +52,17 @@ def test_offload_programs_compute_nothing_on_host_memory(param, opt, devices, kw
                 assert report.moves_to_host >= 2 and report.host_writes, where
             if program == "eval" or opt == "none":
                 assert not report.host_writes, where
+            # the scanned run moves each of a block's parameters in one iteration ahead, in the forward and
+            # in the backward's recompute, which drops the few it does not read (a bias added last: its
+            # value changes no gradient) ([Note: moves ahead]); without remat the train program moves
+            # them where they are used
+            per_block = sum(p.startswith("blocks/0/") for p in eng.store.layouts)
+            if param == "none" or (program == "train" and kw.get("activation_checkpointing") is False):
+                assert report.moves_ahead == 0, where
+            elif program == "eval":
+                assert report.moves_ahead == per_block, where
+            else:
+                assert per_block + per_block // 2 < report.moves_ahead <= 2 * per_block, where
     eng.close()
 
 
@@ -78,10 +89,27 @@ def _host_program(plant, remat=True):
 def test_the_check_fails_on_compute_on_a_host_gradient():
     report = zinf.check_host_compute(_host_program(lambda g: g))  # moves and slices only: clean
     assert report.host_arguments == 1 and report.moves_to_device >= 1 and report.moves_to_host >= 1
+    assert report.moves_ahead == 0  # each layer moved in the iteration that uses it
     planted = _host_program(lambda g: g.astype(jnp.bfloat16))  # a cast of the host-memory gradient
     with pytest.raises(zinf.EngineError, match="computes on host-memory values"):
         zinf.check_host_compute(planted)
     assert any("convert" in v for v in zinf.host_compute_report(planted).violations)
+
+
+def test_a_move_handed_on_to_the_next_iteration_counts_as_ahead():
+    host, dev = (jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=k) for k in ("pinned_host", "device"))
+
+    def f(ws, x):
+        def body(carry, k):
+            h, w = carry
+            nxt = jax.device_put(jax.lax.dynamic_index_in_dim(ws, jnp.minimum(k + 1, 3), keepdims=False), dev)
+            return (jnp.tanh(h @ w), nxt), None
+        return jnp.sum(jax.lax.scan(body, (x, jax.device_put(ws[0], dev)), jnp.arange(4))[0][0])
+
+    args = (jax.ShapeDtypeStruct((4, 8, 8), jnp.float32, sharding=host),
+            jax.ShapeDtypeStruct((2, 8), jnp.float32, sharding=dev))
+    report = zinf.check_host_compute(jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)))
+    assert report.moves_ahead == 1 and report.moves_to_device == 2
 
 
 def test_the_check_fails_on_device_copies_of_host_layers_saved_by_a_scan():

@@ -44,6 +44,7 @@ from zinf_jax.engine.grads import GradSink
 from zinf_jax.engine.overlap import WriteGate
 from zinf_jax.engine.programs import GATHERED, model_call
 from zinf_jax.engine.runs import Run, find_runs
+from zinf_jax.engine.scan_ahead import scan_ahead
 from zinf_jax.engine.staging import keep_all_but_params, read, staged_read, tap
 from zinf_jax.engine.store import ParamStore
 from zinf_jax.engine.streamed import JIT_MESSAGE
@@ -90,9 +91,11 @@ def _signature(leaves: Sequence[Any]) -> tuple:
 # a run of alike unit calls (zinf_jax.engine.runs.find_runs: same program key, parameter layouts and
 # trained flags, each call reading the previous one's output) takes its parameters as one stacked
 # argument per parameter position, (N, *stored shape) with the stored sharding below the run axis,
-# in the tier's memory: on the cpu tier stacked on the host (the shards are host buffers), on the
+# in the tier's memory: on the cpu tier on the host (the optimizer's masters kept as the rows of one
+# array, [Note: masters in rows] in zinf_jax.optim.state_io, or the tier's shards stacked), on the
 # device tier by one jitted stack; a stack is rebuilt only when the store wrote one of its paths.
-# Each iteration slices its unit's shards, moves them to device memory and gathers them; the
+# Each iteration slices its unit's shards, moves them to device memory (from the host: one iteration
+# ahead, [Note: moves ahead] in zinf_jax.engine.scan_ahead) and gathers them; the
 # gradients leave stacked and the sink splits them per path (GradSink.add_stacked). An
 # optimization_barrier on the device copies keeps the all-gather after the slice: without it XLA
 # gathers the (1, shard) slice before squeezing it, lays the whole stacked argument out for that
@@ -272,6 +275,12 @@ class CompiledModel:
         ``ins``/the result: as ``call_run`` of :class:`~zinf_jax.engine.glue.GlueProgram`.
         """
         c0 = calls[run.calls[0]]
+        if self.host_params and (self.activation_checkpointing or not grad):  # See [Note: moves ahead]
+            lays = self._layouts[c0.uid]
+            call = model_call(self.adapter.unit_fn(c0.uid, c0.method, train), c0.sig, lays, self.model_mesh)
+            final, ys = scan_ahead(lambda params, dyn: c0.out_tree.flatten_up_to(call(params, dyn)), lays,
+                                   self.mesh, self.compute_dtype, stacked, run, ins, grad)
+            return self._run_result(run, c0, final, ys, len(run.calls))
         fn, n = self._unit(c0.uid, c0.method, c0.sig, train, grad), len(run.calls)
         first = ins[0]
         carried = [p for p, o in enumerate(run.carry) if o is not None]
@@ -289,10 +298,17 @@ class CompiledModel:
             return [outs[run.carry[p]] for p in carried], [outs[o] for o in run.outputs]
 
         final, ys = jax.lax.scan(body, [first[p] for p in carried], (list(stacked), xs))
+        return self._run_result(run, c0, final, ys, n)
+
+    @staticmethod
+    def _run_result(run: Run, c0: Any, final: Sequence[Any], ys: Sequence[Any], n: int) -> list[list[Any]]:
+        """Each call's outputs from a run's loop: the stacked ``ys`` of ``run.outputs``, the last call's
+        carried values ``final`` (``None`` where nothing after the run reads one)."""
         result: list[list[Any]] = [[None] * c0.out_tree.num_leaves for _ in range(n)]
         for o, y in zip(run.outputs, ys):
             for k in range(n):
                 result[k][o] = y[k]
+        carried = [p for p, o in enumerate(run.carry) if o is not None]
         for p, v in zip(carried, final):
             result[-1][run.carry[p]] = v
         return result

@@ -45,6 +45,9 @@ class HostComputeReport:
       host_arguments: the entry function's arguments in host memory.
       host_writes: one line per write of a moved value into a host buffer (a scanned run's gradients
         going out layer by layer), in program order.
+      moves_ahead: moves to device memory inside a loop whose result the iteration only hands on to the
+        next one (a layer moved in while the one before computes: [Note: moves ahead] in
+        :mod:`zinf_jax.engine.scan_ahead`).
     """
 
     violations: tuple[str, ...]
@@ -52,6 +55,7 @@ class HostComputeReport:
     moves_to_host: int
     host_arguments: int
     host_writes: tuple[str, ...] = ()
+    moves_ahead: int = 0
 
     @property
     def ok(self) -> bool:
@@ -115,6 +119,7 @@ class _Walker:
         self.moves = {"device": 0, "pinned_host": 0}
         self._counted: set[tuple] = set()
         self.host_writes: list[str] = []
+        self.ahead: set[tuple] = set()
 
     def func(self, name: str, arg_bits: tuple[int, ...], in_loop: bool = False) -> tuple[int, ...]:
         key = (name, arg_bits, in_loop)
@@ -196,6 +201,17 @@ class _Walker:
 
     def loop(self, fname: str, op: Any, ins: list[int]) -> list[int]:
         cond, body = op.regions[0].blocks[0], op.regions[1].blocks[0]
+        for k, inner in enumerate(body.operations):  # moves whose results this iteration only hands on
+            inner = inner.operation
+            if _placement(inner) == "device" and all(_only_carried(r) for r in inner.results):
+                self.ahead.add((fname, str(op.location), k))
+            elif inner.name == "func.call":  # the loop's body function (lax.scan lowers its body to a call)
+                callee = _string(_attr(inner, "callee"))
+                ops = [o.operation for o in self.funcs[callee].regions[0].blocks[0].operations]
+                for r, v in zip(inner.results, ops[-1].operands):
+                    mv = _move_behind(v)
+                    if mv is not None and _only_carried(r):
+                        self.ahead.add((callee, next(i for i, o in enumerate(ops) if o == mv)))
         carried = list(ins)
         for _ in range(len(carried) + 1):
             self.block(fname, cond, dict(zip(cond.arguments, carried)), in_loop=True)
@@ -205,6 +221,33 @@ class _Walker:
                 break
             carried = new
         return carried
+
+
+def _only_carried(value: Any) -> bool:
+    """``value`` (a loop body's) reaches the body's return, and nothing else, through views of it."""
+    uses = [u.owner for u in value.uses]
+    if not uses:
+        return False
+    for user in uses:
+        name = user.operation.name
+        if name == "stablehlo.return":
+            continue
+        if not (name in _VIEWS or _is_sharding(user.operation)) or not all(_only_carried(r) for r in user.results):
+            return False
+    return True
+
+
+def _move_behind(value: Any) -> Any:
+    """The move to device memory that ``value`` is (or is a view of), else None."""
+    owner = value.owner
+    if not hasattr(owner, "operation"):  # a block argument
+        return None
+    op = owner.operation
+    if _placement(op) == "device":
+        return op
+    if (op.name in _VIEWS or _is_sharding(op)) and len(op.operands) >= 1:
+        return _move_behind(op.operands[0])
+    return None
 
 
 def _arg_kinds(main: Any) -> list[str | None]:
@@ -240,7 +283,8 @@ def host_compute_report(lowered: Any) -> HostComputeReport:
     return HostComputeReport(violations=tuple(walker.violations.values()),
                              moves_to_device=walker.moves.get("device", 0),
                              moves_to_host=walker.moves.get("pinned_host", 0),
-                             host_arguments=sum(1 for b in bits if b), host_writes=tuple(walker.host_writes))
+                             host_arguments=sum(1 for b in bits if b), host_writes=tuple(walker.host_writes),
+                             moves_ahead=len(walker.ahead))
 
 
 def check_host_compute(lowered: Any, *, limit: int = 20) -> HostComputeReport:

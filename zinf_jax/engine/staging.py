@@ -40,7 +40,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from zinf_jax.engine.programs import GATHERED, gather
 from zinf_jax.plan.partition import ParamLayout, to_stored
 
-__all__ = ["STAGED", "keep_all_but_params", "read", "staged_read", "tap"]
+__all__ = ["STAGED", "gather_in", "keep_all_but_params", "move_in", "read", "scatter_out", "staged_read", "tap"]
 
 STAGED = "zinf_staged_param"
 """The name (``checkpoint_name``) on a staged read's value inside its custom VJP: how
@@ -51,22 +51,29 @@ def _floating(dtype: Any) -> bool:
     return bool(jnp.issubdtype(jnp.dtype(dtype), jnp.floating))
 
 
-def read(lay: ParamLayout, stored: jax.Array, mesh: Mesh, dtype: Any, host: bool) -> jax.Array:
-    """``stored`` gathered for the unit: moved to device memory (``host``), cast to ``dtype``, all-gathered.
+def move_in(lay: ParamLayout, stored: jax.Array, mesh: Mesh) -> jax.Array:
+    """Host-memory shards of ``lay`` moved to device memory (sharded as stored)."""
+    return jax.device_put(stored, NamedSharding(mesh, lay.spec, memory_kind="device"))
+
+
+def gather_in(lay: ParamLayout, x: jax.Array, mesh: Mesh, dtype: Any) -> jax.Array:
+    """Shards in device memory gathered for the unit: cast to ``dtype``, all-gathered.
 
     The optimization barrier on the device copy keeps the gather after a scanned run's slice (see
     [Note: scanned runs] in :mod:`zinf_jax.engine.compiled`).
     """
-    x = stored
-    if host:
-        x = jax.device_put(x, NamedSharding(mesh, lay.spec, memory_kind="device"))
     x = jax.lax.optimization_barrier(x)
     if _floating(x.dtype):
         x = x.astype(dtype)
     return gather(lay, x, mesh)
 
 
-def _scatter(lay: ParamLayout, ct: jax.Array, mesh: Mesh) -> jax.Array:
+def read(lay: ParamLayout, stored: jax.Array, mesh: Mesh, dtype: Any, host: bool) -> jax.Array:
+    """``stored`` gathered for the unit: moved to device memory (``host``), cast to ``dtype``, all-gathered."""
+    return gather_in(lay, move_in(lay, stored, mesh) if host else stored, mesh, dtype)
+
+
+def scatter_out(lay: ParamLayout, ct: jax.Array, mesh: Mesh) -> jax.Array:
     """The transpose of :func:`read`'s gather, in float32: the gathered cotangent reduce-scattered to the
     stored sharding (padding and flattening of a ``flat`` parameter undone), in device memory."""
     g = to_stored(lay, ct.astype(jnp.float32))
@@ -100,7 +107,7 @@ def staged_read(lay: ParamLayout, mesh: Mesh, dtype: str, host: bool, tap_kind: 
         return f(tap_value, stored), None
 
     def bwd(_: None, ct: jax.Array) -> tuple[jax.Array, None]:
-        g = _scatter(lay, ct, mesh)
+        g = scatter_out(lay, ct, mesh)
         return (g if tap_kind == "device" else jax.device_put(g, out)), None
 
     f.defvjp(fwd, bwd)

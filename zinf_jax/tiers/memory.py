@@ -176,7 +176,8 @@ class _MemoryTier:
                     self._set(key, index, self._place(index, value, spec, self._data.get((key, index))))
                 self._version += 1
             return [done_future()]
-        hosts = [put_source(value, _np(spec.dtype), self._placement(index)) for (_, index, value), spec in zip(items, specs)]
+        hosts = [put_source(value, _np(spec.dtype), self._placement(index))
+                 for (_, index, value), spec in zip(items, specs)]
         targets = [jax.sharding.SingleDeviceSharding(self._placement(index), memory_kind=kind) for _, index, _ in items]
         arrays = jax.device_put(hosts, targets) if hosts else []  # one copy each: [Note: one copy per put]
         for h in hosts:
