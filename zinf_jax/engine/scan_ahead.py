@@ -6,9 +6,10 @@ scanned runs] in :mod:`zinf_jax.engine.compiled`) needs its layer's shards in de
 the iteration that uses them, the move is a dependency of that iteration's compute and nothing overlaps
 it. Here iteration ``k`` moves layer ``k + 1`` (the backward: ``k - 1``) and hands it to the next
 iteration in the loop's carry, so the copy runs while layer ``k`` computes, as the streamed engine's
-prefetcher fetches one unit ahead (the last iteration moves its own layer again: one layer's move a
-pass). XLA's latency-hiding scheduler then starts the copy early (the options the engine sets for a
-GPU: ``GPU_COMPILER_OPTIONS`` in :mod:`zinf_jax.engine.compiled`).
+prefetcher fetches one unit ahead. The forward's last iteration moves its own layer again, which is
+where the backward starts; the backward's last moves the first layer again (one spare move a step).
+XLA's latency-hiding scheduler then starts each copy early (the options the engine sets for a GPU:
+``GPU_COMPILER_OPTIONS`` in :mod:`zinf_jax.engine.compiled`).
 
 Differentiated by JAX, such a loop would save every iteration's carried device copy for the backward
 (a stack of all layers in device memory: the offload undone), so the run is one custom VJP:
@@ -88,7 +89,7 @@ def scan_ahead(unit: Callable[[list, list], list], layouts: Sequence[ParamLayout
         outs = unit(params, dyn)
         return [outs[run.carry[p]] for p in carried], [outs[o] for o in run.outputs]
 
-    def forward(hosts: list, c0: list, f: list, xs: list, save: bool) -> tuple[list, list, list]:
+    def forward(hosts: list, c0: list, f: list, xs: list, save: bool) -> tuple[list, list, list, list]:
         def body(carry, kx):
             c, dev = carry
             k, x = kx
@@ -96,14 +97,14 @@ def scan_ahead(unit: Callable[[list, list], list], layouts: Sequence[ParamLayout
             c_next, y = call([gather_in(lay, d, mesh, dtype) for lay, d in zip(layouts, dev)], c, x, f)
             return (c_next, ahead), (y, c if save else [])
 
-        (final, _), (ys, cins) = jax.lax.scan(body, (c0, moved(hosts, 0)), (jnp.arange(n), xs))
-        return final, ys, cins
+        (final, last), (ys, cins) = jax.lax.scan(body, (c0, moved(hosts, 0)), (jnp.arange(n), xs))
+        return final, ys, cins, last  # last: the last layer, moved in again by the last iteration
 
     c0 = [first[p] for p in carried]
     f0 = [first[p] for p in fixed]
     xs0 = [jnp.stack([ins[k][p] for k in range(n)]) for p in per_call]
     if not grad:
-        final, ys, _ = forward(stores, c0, f0, xs0, save=False)
+        final, ys, _, _ = forward(stores, c0, f0, xs0, save=False)
         return final, ys
 
     dc = [i for i, v in enumerate(c0) if _inexact(v)]  # the differentiable carried, fixed, per-call inputs
@@ -113,16 +114,16 @@ def scan_ahead(unit: Callable[[list, list], list], layouts: Sequence[ParamLayout
     @jax.custom_vjp
     def loop(taps: list, hosts: list, c0: list, f: list, xs: list) -> tuple[list, list]:
         del taps  # differentiated, never read: [Note: gradient taps]
-        final, ys, _ = forward(hosts, c0, f, xs, save=False)
+        final, ys, _, _ = forward(hosts, c0, f, xs, save=False)
         return final, ys
 
     def loop_fwd(taps, hosts, c0, f, xs):
         del taps
-        final, ys, cins = forward(hosts, c0, f, xs, save=True)
-        return (final, ys), (hosts, cins, f, xs)
+        final, ys, cins, last = forward(hosts, c0, f, xs, save=True)
+        return (final, ys), (hosts, cins, f, xs, last)  # last: one layer, where the backward starts
 
     def loop_bwd(res, cts):
-        hosts, cins, f, xs = res
+        hosts, cins, f, xs, last = res
         ct_final, ct_ys = cts
         dy = [j for j, v in enumerate(ct_ys) if _inexact(v)]  # the differentiable outputs
         trained = [j for j, t in enumerate(taps) if t is not None]
@@ -153,7 +154,7 @@ def scan_ahead(unit: Callable[[list, list], list], layouts: Sequence[ParamLayout
         ct_c0 = [ct_final[i] for i in dc]
         acc0 = [jnp.zeros_like(f[i]) for i in df]
         (g_c, _, g_f), (g_taps, g_xs) = jax.lax.scan(
-            body, (ct_c0, moved(hosts, n - 1), acc0), (jnp.arange(n), cins, xs, [ct_ys[j] for j in dy]), reverse=True)
+            body, (ct_c0, last, acc0), (jnp.arange(n), cins, xs, [ct_ys[j] for j in dy]), reverse=True)
         out_taps: list[Any] = [None] * len(taps)
         for j, g in zip(trained, g_taps):
             out_taps[j] = g
