@@ -8,6 +8,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from helpers.engine_utils import build, nnx_adapter
 from helpers.small_models import TinyLM, TinyLMConfig, lm_loss
+from zinf_jax.engine.activations import PinnedHost
 from zinf_jax.engine.store import ParamMismatchError
 
 THRESHOLD = 2000  # LayerNorms and the position table stay on device

@@ -2,7 +2,6 @@
 batch (upstream ``examples/mnist``'s way) is placed on the first step as the step leaves it, in both
 engines, as under ``nnx.jit``."""
 import numpy as np
-import pytest
 from flax import nnx
 
 import zinf_jax as zinf
