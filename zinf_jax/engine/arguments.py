@@ -141,8 +141,7 @@ class ProgramArgs:
         stored = [p for p in stale if p not in views]
         for p, arr in zip(stored, self.store.fetch(stored, memory_kind=kind) if stored else []):
             self._fetched[p] = (self.store.writes(p), arr)
-        viewed = list(views)
-        for p, arr in zip(viewed, self._copy_out([self.store.layouts[p] for p in viewed], list(views.values()))):
+        for p, arr in zip(views, self._copy_out([self.store.layouts[p] for p in views], list(views.values()))):
             self._fetched[p] = (self.store.writes(p), arr)
         self._restack(slots.stacks)
         stacked = [self._stacked[paths][1] for paths in slots.stacks]

@@ -211,10 +211,14 @@ class CompiledModel:
     def _gather(self, layouts: Sequence[ParamLayout], stored: Sequence[Any]) -> list[jax.Array]:
         return [checkpoint_name(self._read(lay, x, self.compute_dtype), GATHERED) for lay, x in zip(layouts, stored)]
 
+    def _model_call(self, uid: int, method: str, sig: tuple, train: bool, lays: Sequence[ParamLayout]) -> Callable:
+        """A unit call as a function of its gathered parameters and array inputs (see ``model_call``)."""
+        return model_call(self.adapter.unit_fn(uid, method, train), sig, lays, self.model_mesh)
+
     def _unit(self, uid: int, method: str, sig: tuple, train: bool, grad: bool, layer: bool = False) -> Callable:
         """A unit call's function of its stored shards (``layer``: of one layer of its stacked parameters)."""
         lays = self._layer_layouts(uid) if layer else self._layouts[uid]
-        call = model_call(self.adapter.unit_fn(uid, method, train), sig, lays, self.model_mesh)
+        call = self._model_call(uid, method, sig, train, lays)
 
         def run(stored, dyn):
             return call(self._gather(lays, stored), dyn)
@@ -277,7 +281,7 @@ class CompiledModel:
         c0 = calls[run.calls[0]]
         if self.host_params and (self.activation_checkpointing or not grad):  # See [Note: moves ahead]
             lays = self._layouts[c0.uid]
-            call = model_call(self.adapter.unit_fn(c0.uid, c0.method, train), c0.sig, lays, self.model_mesh)
+            call = self._model_call(c0.uid, c0.method, c0.sig, train, lays)
             final, ys = scan_ahead(lambda params, dyn: c0.out_tree.flatten_up_to(call(params, dyn)), lays,
                                    self.mesh, self.compute_dtype, stacked, run, ins, grad)
             return self._run_result(run, c0, final, ys, len(run.calls))

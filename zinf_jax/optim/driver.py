@@ -54,7 +54,6 @@ from zinf_jax.optim.subgroups import (PACK_BELOW, PACK_ELEMENTS, BufferSet, Grou
 from zinf_jax.optim.state_io import StateAccess
 from zinf_jax.optim.work import MultiShardWork
 from zinf_jax.tiers.base import ShardSpec, Tier, np_dtype
-from zinf_jax.tiers.memory import CpuTier
 
 if TYPE_CHECKING:
     from zinf_jax.config import LossScaleConfig
@@ -154,7 +153,6 @@ class StreamedOptimizer(MultiShardWork, StateAccess):
         self._scratch: np.ndarray | None = None  # grad conversion (non-float32 grads)
         self._zeros: np.ndarray | None = None  # the zero grad (read only)
         self._assembly: np.ndarray | None = None  # a multi-chunk shard handed to write_param
-        self._host_buffers = isinstance(tier, CpuTier) and tier.memory == "numpy"  # [Note: masters in rows]
         self._assembly_pending: list[Future] = []
         self._on_written: Callable[[str], None] | None = None
         self._left: collections.Counter = collections.Counter()  # sub-groups of each path not yet written

@@ -26,6 +26,7 @@ import numpy as np
 from zinf_jax._internal.futures import all_of
 from zinf_jax.tiers.base import np_dtype
 from zinf_jax.tiers.direct import aligned_empty
+from zinf_jax.tiers.memory import CpuTier
 
 __all__ = ["StateAccess"]
 
@@ -41,7 +42,6 @@ class StateAccess:
     _numel: dict
     _chunk: dict
     _nch: dict
-    _host_buffers: bool
     _zero_buffer: Callable[[], np.ndarray]
     _dtype_of: Callable[[str], str]
 
@@ -109,6 +109,11 @@ class StateAccess:
 
         all_of(futs).add_done_callback(finish)
         return done
+
+    @property
+    def _host_buffers(self) -> bool:
+        """The tier keeps each shard in one numpy buffer that every put overwrites in place."""
+        return isinstance(self.tier, CpuTier) and self.tier.memory == "numpy"
 
     def host_master(self, path: str, index: int) -> np.ndarray | None:
         """The float32 master shard itself (stored form), not a copy, or ``None`` if it is not one host buffer.
