@@ -13,7 +13,8 @@ The ``*_bytes`` fields count the state *held by zinf* at its peak, not the RSS:
 * host: the cpu param tier, fp32 master/m/v (12 B/param), the grad sink (4 B/param; with
   the optimizer on nvme gradients leave host RAM as they are produced: only one unit's
   gradient shards are in flight), ``buffer_count`` sub-group buffer sets (12 B/element,
-  16 with the gradient read from nvme), offloaded checkpoints. A memory tier holds one
+  16 with the gradient read from nvme; none with float32 state in RAM, updated in the tier's
+  own arrays), offloaded checkpoints. A memory tier holds one
   copy of its state (updated in place).
 * nvme: every key once (``nvme_update="in_place"``, the default) or twice
   (``"double_slot"``): params in the compute dtype (none for trained params with fp32
@@ -36,7 +37,7 @@ import jax.numpy as jnp
 
 from zinf_jax._internal.fmt import human_bytes
 from zinf_jax.config import ZeroConfig
-from zinf_jax.engine.host_budget import buffer_set_bytes
+from zinf_jax.engine.host_budget import buffer_set_bytes, updates_in_place
 from zinf_jax.engine.wrap import make_adapter, trainable_paths
 from zinf_jax.estimate_step import StepDigest, simulate, step_io, trace_calls
 from zinf_jax.optim.choose import with_clipping
@@ -258,9 +259,10 @@ def _estimate(d: StepDigest, config: ZeroConfig, pt: str, ot: str, platform: str
         return -(-spread // d.n_local) + tiers * (-(-d.store_sharded // d.n_idx) + d.store - d.store_sharded)
 
     # float32 master, m, v (and the gradient read back); bf16 moments add their narrow staging buffers
-    staging_bf16 = 2 * 2 if config.moments_dtype == "bfloat16" else 0
-    per_set = max((12 + 4 * (grads_out or d.packs) + staging_bf16) * d.max_chunk, d.whole.set_bytes)
-    buffers = (min(d.opt, MOVE_IN_AHEAD) if moved_in else min(config.offload_optimizer.buffer_count, d.groups)
+    # (none but the whole-tensor parameters' where the state is updated in place: [Note: updates in place])
+    per_set = max(buffer_set_bytes(config, where, d.packs, d.max_chunk), d.whole.set_bytes)
+    sets = len(d.whole.paths) if updates_in_place(config, where) else d.groups
+    buffers = (min(d.opt, MOVE_IN_AHEAD) if moved_in else min(config.offload_optimizer.buffer_count, sets)
                * per_set + d.assembly + d.whole.gather_bytes)
     if grads_out:  # the small shards stay in RAM as the backward produces them
         host_fb = {**host_fb, "grad_sink": host_fb.get("grad_sink", 0) + d.grad_ram}
@@ -281,8 +283,7 @@ def _estimate(d: StepDigest, config: ZeroConfig, pt: str, ot: str, platform: str
     staging = (pt == "nvme") * (1 + config.prefetch_depth) * max(d.unit_held, default=0) + (ot == "nvme") * buffers
     sizes = HostSizes(unit_held=d.unit_held, unit_gathered=d.unit_gathered, params_on_nvme=pt == "nvme",
                       device_is_host=platform == "cpu",
-                      buffer_set=max(buffer_set_bytes(config, grads_out, d.packs, d.max_chunk), d.whole.set_bytes),
-                      sets=d.groups, assembly=d.assembly + d.whole.gather_bytes, optimizer_on_nvme=ot == "nvme",
+                      buffer_set=per_set, sets=max(sets, 1), assembly=d.assembly + d.whole.gather_bytes, optimizer_on_nvme=ot == "nvme",
                       grad_ram=d.grad_ram if grads_out else d.grad,
                       grad_unit=max(d.unit_grad, default=0) if grads_out else 0, resident_tiers=cpu_p + cpu_o)
     host_plan = plan_host(sizes, runtime=RUNTIME_OVERHEAD.get(platform, RUNTIME_OVERHEAD["gpu"])[1],

@@ -364,7 +364,8 @@ def test_step_seconds_by_phase():
 
 def test_device_update_counts_the_state_on_the_devices_and_no_host_buffer_sets():
     """``optimizer_update="device"``: the whole optimizer state is in device memory during the step (the
-    device-memory tier's figure for it), and the host holds its read-ahead, not the streamed step's sets."""
+    device-memory tier's figure for it), and the host holds its read-ahead, not the streamed step's sets (with
+    the state in RAM the streamed step updates it in place, with no sets: [Note: updates in place])."""
     pairs = [("none", "cpu"), ("none", "nvme"), ("none", "none")]
     by = {u: {(e.param_tier, e.optimizer_tier): e for e in estimate_from_model(
         ctor(), config=zinf.ZeroConfig(persistence_threshold=THRESHOLD, optimizer_update=u), mesh=mesh(), loss_fn=lm_loss, example_batch=example(),
@@ -373,7 +374,11 @@ def test_device_update_counts_the_state_on_the_devices_and_no_host_buffer_sets()
     for pair in pairs[:2]:
         host, dev = by["host"][pair].breakdown, by["device"][pair].breakdown
         assert "device.optimizer_state" not in host and dev["device.optimizer_state"] == state
-        assert dev["host.optimizer_buffers"] == min(state, MOVE_IN_AHEAD) < host["host.optimizer_buffers"]
+        assert dev["host.optimizer_buffers"] == min(state, MOVE_IN_AHEAD)
+        if pair[1] == "nvme":
+            assert dev["host.optimizer_buffers"] < host["host.optimizer_buffers"]
+        else:
+            assert "host.optimizer_buffers" not in host
     assert by["device"][("none", "none")].breakdown == by["host"][("none", "none")].breakdown
 
 

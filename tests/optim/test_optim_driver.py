@@ -351,22 +351,35 @@ def test_write_param_future_defers_buffer_reuse(layouts):
             np.testing.assert_array_equal(got[(p, i)], opt.read_master(p, i))
 
 
-class _FailingTier(CpuTier):
-    def __init__(self, fail_at):
-        super().__init__(memory="numpy")
-        self.puts, self.fail_at = 0, fail_at
+def _failing(base):
+    """``base`` (a tier class) failing its ``fail_at``-th write: a put, or the cpu tier's arrays handed out to be
+    written in place ([Note: updates in place] in zinf_jax/optim/driver.py)."""
 
-    def put(self, key, index, value):
-        self.puts += 1
-        if self.puts == self.fail_at:
-            raise OSError("injected write failure")
-        return super().put(key, index, value)
+    class Failing(base):
+        writes, fail_at = 0, 10**9
+
+        def _count(self):
+            self.writes += 1
+            if self.writes == self.fail_at:
+                raise OSError("injected write failure")
+
+        def put(self, key, index, value):
+            self._count()
+            return super().put(key, index, value)
+
+        def writable(self, items):
+            self._count()
+            return super().writable(items)
+
+    return Failing
 
 
-def test_io_error_propagates_and_returns_buffers(layouts):
-    tier = _FailingTier(fail_at=10**9)
+@pytest.mark.parametrize("kind", ["cpu", "nvme"])
+def test_io_error_propagates_and_returns_buffers(tmp_path, layouts, kind):
+    tier = _failing(CpuTier)(memory="numpy") if kind == "cpu" else _failing(NvmeTier)(tmp_path, process_index=0)
     opt = _driver(tier, layouts, SMALL, _init_params(), buffer_count=3)
-    tier.fail_at = tier.puts + 40  # mid-step
+    assert opt._in_place == (kind == "cpu")
+    tier.fail_at = tier.writes + len(opt._work) // 2  # mid-step
     with pytest.raises(OSError, match="injected"):
         _step(opt, layouts, _grads(0), _Writes())
     assert opt._live == 0 and len(opt._free) == len(opt._sets) <= 3
@@ -555,13 +568,13 @@ def test_packs_update_small_shards_together_with_the_same_numbers(kind, sgs, var
         _assert_close(masters, _optax([_grads(t) for t in range(6)], _init_params()))
 
 
-def test_a_new_order_that_cuts_a_larger_pack_grows_the_buffer_sets():
+def test_a_new_order_that_cuts_a_larger_pack_grows_the_buffer_sets(tmp_path):
     """In path order a shard of 40,000 elements and 15 of 65,536 fill one pack (1,023,040 of PACK_ELEMENTS) and
     the 16th stays alone; ordered with the small one last (a next forward's order, as the engine asks after its
     first trace) the 16 large ones make one pack of 1,048,576 elements, larger than any buffer set made for the
     first plan. The step after the new order updates every parameter as optax does (it failed reading the pack
     into the smaller sets: "could not broadcast input array from shape (32768,) into shape (32256,)" on a
-    4-block d=512 GPT)."""
+    4-block d=512 GPT). On NVMe: a cpu tier's packs are updated in its own arrays, without buffer sets."""
     shapes = {"p00": (40_000,)} | {f"p{k:02d}": (65_536,) for k in range(1, 17)}
     layouts = plan_partition({p: jax.ShapeDtypeStruct(s, jnp.float32) for p, s in shapes.items()}, make_mesh(),
                              persistence_threshold=10**6)
@@ -569,7 +582,7 @@ def test_a_new_order_that_cuts_a_larger_pack_grows_the_buffer_sets():
     params = {p: rng.uniform(0.5, 1.5, s).astype(np.float32) for p, s in shapes.items()}
     grads = {p: rng.standard_normal(s).astype(np.float32) for p, s in shapes.items()}
     spec = adamw(1e-2, weight_decay=0.0, clip_norm=None)
-    opt = _driver(CpuTier(memory="numpy"), layouts, 1 << 20, params, spec=spec, pack_below=PACK_BELOW)
+    opt = _driver(NvmeTier(tmp_path, process_index=0), layouts, 1 << 20, params, spec=spec, pack_below=PACK_BELOW)
     before = opt._set_size
     opt.order([*(p for p in shapes if p != "p00"), "p00"])
     assert opt._set_size == 16 * 65_536 > before == 40_000 + 15 * 65_536
@@ -578,3 +591,24 @@ def test_a_new_order_that_cuts_a_larger_pack_grows_the_buffer_sets():
     want = _optax([grads], params, optax.adamw(1e-2, weight_decay=0.0))
     for p in shapes:
         np.testing.assert_allclose(writes[(p, 0)], want[p], rtol=RTOL, err_msg=p)
+
+
+@pytest.mark.parametrize("name", ["adamw", "lion"])
+def test_a_cpu_tier_is_updated_in_its_own_arrays(layouts, name):
+    """[Note: updates in place]: with the state in a numpy cpu tier, packs of small shards and the sub-groups of
+    the large ones are updated in the tier's arrays: no copy in or out a step (the tier copies nothing and the
+    driver holds no buffer of their size), and every master steps as optax's does."""
+    spec, tx = (_spec(), _ref_tx()) if name == "adamw" else (OPTAX_RULES[name](), OPTAX_RULES[name]())
+    params, grads = _init_params(), [_grads(t) for t in range(6)]
+    tier = CpuTier(memory="numpy")
+    opt = _driver(tier, layouts, SMALL, params, spec=spec, pack_below=PACK_BELOW)
+    assert opt.packs and any(g.n_chunks > 1 for g in opt._groups)  # both kinds of work
+    copied, version = tier.copied_bytes, tier.version
+    for g in grads:
+        _step(opt, layouts, g, _Writes())
+    assert tier.copied_bytes == copied and tier.version > version
+    assert opt.pool_bytes() < 4096  # no sub-group or pack buffers
+    atol = 0 if name == "adamw" else 2 * np.finfo(np.float32).eps * 1.5  # (see the optax-rule test above)
+    got, want = _masters(opt, layouts), _optax(grads, params, tx)
+    for q, ref in want.items():
+        np.testing.assert_allclose(got[q], ref, rtol=RTOL, atol=atol, err_msg=q)

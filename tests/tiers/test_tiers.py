@@ -174,6 +174,7 @@ def test_shards_kept_as_rows_of_one_array_follow_every_later_put():
             t.put(key, i, np.full(1 << 17, 10 * k + i, np.float32))
     rows = t.share_rows(keys, 1)  # waits for the puts in flight
     assert rows.shape == (3, 1 << 17) and [float(r[0]) for r in rows] == [1.0, 11.0, 21.0]
+    t.wait()  # (shard 0's puts may still be in flight: they count once they land)
     before = t.stored_bytes()
     t.put(keys[1], 1, np.full(1 << 17, -5, np.float32)).result()
     t.put_many([(keys[2], 1, np.full(1 << 17, -7, np.float32))])
@@ -191,6 +192,34 @@ def test_shards_kept_as_rows_of_one_array_follow_every_later_put():
     pinned.declare("p", spec)
     with pytest.raises(TierError, match="memory='numpy'"):
         pinned.share_rows(["p"], 0)
+    t.close()
+    pinned.close()
+
+
+def test_shards_handed_out_to_be_written_in_place_are_what_the_tier_holds():
+    """CpuTier.writable: the optimizer's updates in place ([Note: updates in place]): the arrays handed out are
+    the stored ones, after any put in flight; the version grows; nothing is copied."""
+    t = CpuTier(memory="numpy")
+    spec = ShardSpec(shard_shape=(1 << 17,), dtype="float32", num_shards=2)  # past INLINE_BYTES: puts on the pool
+    t.declare("m/a", spec)
+    t.declare("v/a", spec)
+    for key in ("m/a", "v/a"):
+        t.put(key, 1, np.full(1 << 17, 3, np.float32))
+    m, v = t.writable([("m/a", 1), ("v/a", 1)])  # waits for the puts in flight
+    assert float(m[0]) == float(v[-1]) == 3.0
+    copied, version = t.copied_bytes, t.version
+    again = t.writable([("m/a", 1), ("v/a", 1)])
+    assert again[0] is m and again[1] is v and t.version > version and t.copied_bytes == copied
+    m += 1
+    assert float(np.asarray(t.get("m/a", 1).result())[-1]) == 4.0
+    with pytest.raises(TierError, match="no data"):
+        t.writable([("m/a", 0)])
+    with pytest.raises(TierError, match="out of range"):
+        t.writable([("m/a", 2)])
+    pinned = CpuTier(memory="pinned_host")
+    pinned.declare("p", spec)
+    with pytest.raises(TierError, match="memory='numpy'"):
+        pinned.writable([("p", 0)])
     t.close()
     pinned.close()
 

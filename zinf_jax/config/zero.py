@@ -51,8 +51,9 @@ class Offload:
     """Directory of the NVMe tier (DeepSpeed ``nvme_path``); required when ``device="nvme"``, unused otherwise."""
     buffer_count: int = checked(5, as_int, 1)
     """Optimizer tier: sub-group buffer sets the streamed step reads into ahead and writes back from (bounds
-    its host RAM: ``buffer_count`` x sub-group x 4 B x (master, states, gradient)). Param tier: no effect
-    (reported)."""
+    its host RAM: ``buffer_count`` x sub-group x 4 B x (master, states, gradient)). With float32 state in
+    host RAM (``"cpu"``) the step updates the tier's own arrays and needs sets only for the parameters a
+    whole-tensor optax rule updates. Param tier: no effect (reported)."""
     direct_io: bool = checked(False, as_other, *BOOL)
     """Bypass the page cache for NVMe reads and writes (measures and uses the disk, not RAM)."""
 

@@ -26,13 +26,22 @@ from zinf_jax.plan.host_memory import HostPlan, HostSizes, plan_host
 from zinf_jax.plan.partition import ParamLayout
 from zinf_jax.plan.placement import Placement
 
-__all__ = ["sizes_of", "plan_for", "planned_config", "buffer_set_bytes"]
+__all__ = ["sizes_of", "plan_for", "planned_config", "buffer_set_bytes", "updates_in_place"]
 
 
-def buffer_set_bytes(config: ZeroConfig, grads_out: bool, packs: bool, elements: int) -> int:
+def updates_in_place(config: ZeroConfig, where: Placement) -> bool:
+    """The streamed optimizer updates its state in the cpu tier's own arrays, with buffer sets only for the
+    whole-tensor parameters (see [Note: updates in place] in :mod:`zinf_jax.optim.driver`)."""
+    return where.optimizer.device == "cpu" and config.moments_dtype == "float32" and not where.grads_out
+
+
+def buffer_set_bytes(config: ZeroConfig, where: Placement, packs: bool, elements: int) -> int:
     """Bytes of one optimizer buffer set of ``elements``: the float32 master and moments, the gradient read
-    back (from the scratch tier, or packed), and bfloat16 moments' narrow staging."""
-    return (12 + 4 * (grads_out or packs) + (4 if config.moments_dtype == "bfloat16" else 0)) * elements
+    back (from the scratch tier, or packed), and bfloat16 moments' narrow staging; none where the state is
+    updated in place (:func:`updates_in_place`)."""
+    if updates_in_place(config, where):
+        return 0
+    return (12 + 4 * (where.grads_out or packs) + (4 if config.moments_dtype == "bfloat16" else 0)) * elements
 
 
 def sizes_of(layouts: Mapping[str, ParamLayout], units: Sequence[Collection[str]], trained: Collection[str],
@@ -68,8 +77,8 @@ def sizes_of(layouts: Mapping[str, ParamLayout], units: Sequence[Collection[str]
     return HostSizes(
         unit_held=held, unit_gathered=gathered, params_on_nvme=where.params.device == "nvme",
         device_is_host=platform == "cpu",
-        buffer_set=max(buffer_set_bytes(config, grads_out, packs, max(size, 1)), whole.set_bytes),
-        sets=max(groups, 1), assembly=4 * max(cut, default=0) + whole.gather_bytes,
+        buffer_set=max(buffer_set_bytes(config, where, packs, max(size, 1)), whole.set_bytes),
+        sets=max(len(whole.paths) if updates_in_place(config, where) else groups, 1), assembly=4 * max(cut, default=0) + whole.gather_bytes,
         optimizer_on_nvme=where.optimizer.device == "nvme",
         grad_ram=(ram_bytes(sum(g for p, g in grad.items() if 4 * numel[p] < IN_RAM_BELOW)) if grads_out
                   else sum(grad.values())),

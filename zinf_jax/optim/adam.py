@@ -291,6 +291,11 @@ def adam_update_shard(param: np.ndarray, m: np.ndarray, v: np.ndarray, grad: np.
     """
     coeffs = adam_coefficients(step=step, lr=lr, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
                                weight_decay=weight_decay, grad_scale=grad_scale)
+    apply_adam(param, m, v, grad, coeffs)
+
+
+def apply_adam(param: np.ndarray, m: np.ndarray, v: np.ndarray, grad: np.ndarray, coeffs: AdamCoefficients) -> None:
+    """:func:`adam_update_shard` with the step's scalars computed already (:func:`adam_coefficients`)."""
     if kernel.NUMBA_AVAILABLE:
         kernel.fused_adam_(param, m, v, grad, coeffs)
     else:

@@ -30,6 +30,17 @@ moments are used unrounded in this step's update), and the tier rounds them to b
 written (round-to-nearest-even, ml_dtypes' cast; no stochastic rounding). The fp32 master is never
 rounded. Reference: optax's adamw whose state is rounded to bfloat16 after each update
 (``tests/optim/test_bf16_moments.py``).
+
+[Note: updates in place]
+With the state in numpy buffers in host RAM (``CpuTier(memory="numpy")``, the tier of
+``offload_optimizer="cpu"``), float32 states and the gradients held by the caller (no grad tier), the
+update runs on the tier's own arrays (``CpuTier.writable``): a sub-group is not read into a buffer set
+and written back, so a step reads and writes each state once (12 B/element for Adam, each way) instead
+of three times (a copy in, the update, a copy out), as DeepSpeed's CPU Adam updates its fp32 partition
+in place. A pack's members are separate arrays in the tier, so they are updated one at a time. The
+numbers are the same (the update is the same kernel on the same values). With NVMe, bfloat16 states
+(read into staging buffers and widened) or a grad tier, and for a whole-tensor rule, the state goes
+through the buffer sets as described above.
 """
 from __future__ import annotations
 
@@ -144,6 +155,8 @@ class StreamedOptimizer(MultiShardWork, StateAccess):
         if grad_tier is not None:
             geo = {p: (self._numel[p], self._chunk[p], self._nch[p], lay.num_shards) for p, lay in self.layouts.items()}
             self.grads = TierGrads(grad_tier, geo, self._local, owner)
+        self._in_place = self._host_buffers and state_dtype == "float32" and self.grads is None
+        """Updates run on the tier's own arrays: see [Note: updates in place]."""
         self._sets: list[BufferSet] = []  # the pool, kept across steps (fresh buffers cost page faults)
         self._free: collections.deque[BufferSet] = collections.deque()
         self._live = 0
@@ -320,8 +333,9 @@ class StreamedOptimizer(MultiShardWork, StateAccess):
         """Sizes the buffer sets for the planned work: each as large as its largest sub-group, pack or whole
         parameter, with one more array for the gradient where packs or a grad tier gather it there. A pool of
         smaller sets (made before a new order cut a larger pack) is dropped, to be allocated again."""
-        packs = any(isinstance(w, (Pack, Whole)) for w in self._work)  # their gradient is gathered into the set
-        size = max([self._max_chunk, *(w.size for w in self._work if isinstance(w, (Pack, Whole)))])
+        buffered = [w for w in self._work if isinstance(w, Whole) or not self._in_place]  # [Note: updates in place]
+        packs = any(isinstance(w, (Pack, Whole)) for w in buffered)  # their gradient is gathered into the set
+        size = max([1 if self._in_place else self._max_chunk, *(w.size for w in buffered if isinstance(w, (Pack, Whole)))])
         arrays = self._n_arrays + (self.grads is not None or packs)
         if size > self._set_size or arrays > self._set_arrays:
             if self._live:
@@ -331,6 +345,8 @@ class StreamedOptimizer(MultiShardWork, StateAccess):
 
     def _io(self, bs: BufferSet, w: Group | Pack, read: bool) -> None:
         """Reads or writes every state of ``w`` (a sub-group or a pack); each future joins ``bs.pending`` at once."""
+        if self._in_place and not isinstance(w, Whole):
+            return  # the update writes the tier's arrays: [Note: updates in place]
         if isinstance(w, Pack):
             return self._io_pack(bs, w, read)
         if isinstance(w, Whole):
@@ -343,6 +359,11 @@ class StreamedOptimizer(MultiShardWork, StateAccess):
             bs.pending.append(self.tier.get(key, gr.index, out=buf) if read else self.tier.put(key, gr.index, buf))
         if read and self.grads is not None and self.grads.has(gr.path, gr.shard):
             bs.pending.append(self.grads.read_chunk(gr.path, gr.shard, gr.chunk, bs.arrays[-1][:size]))
+
+    def _stored(self, path: str, index: int) -> list[np.ndarray]:
+        """The tier's own arrays of sub-group ``index`` of ``path`` (master, then the rule's states), which the
+        update writes in place: [Note: updates in place]."""
+        return self.tier.writable([(f"{s}/{path}", index) for s in self._names[path]])
 
     def _fill(self, pipe: Pipe, j: int) -> None:
         """Reclaims finished writes, then reads ahead into free buffers (sub-group ``j`` at least)."""
@@ -464,7 +485,8 @@ class StreamedOptimizer(MultiShardWork, StateAccess):
                     cur_grad = None if g is None else np.asarray(g).reshape(-1)
                 g_part = self._zero_buffer()[:gr.valid] if cur_grad is None else self._as_f32(cur_grad, sl.start, sl.stop)
             size = self._chunk[gr.path]
-            arrays = [a[:size] for a in bs.arrays[:len(self._names[gr.path])]]
+            arrays = (self._stored(gr.path, gr.index) if self._in_place
+                      else [a[:size] for a in bs.arrays[:len(self._names[gr.path])]])
             with TraceAnnotation("zinf/optimizer_update", param=gr.path):
                 self.rule.update(gr.path, self.layouts[gr.path].shape, arrays, g_part, valid=gr.valid, step=step,
                                  lr=lr, mult=mult)

@@ -337,6 +337,10 @@ class OptaxRule:
             self.update(path, shape, [a[start:stop] for a in arrays], grad[start:stop], valid=stop - start,
                         step=step, lr=lr, mult=mult)
 
+    def update_each(self, shards: Sequence[Any], *, step: int, lr: float | None, mult: np.float32) -> None:
+        for path, shape, arrays, g in shards:
+            self.update(path, shape, arrays, g, valid=g.shape[0], step=step, lr=lr, mult=mult)
+
     def end_step(self, applied: bool) -> None:
         if applied:
             self._scalars.update(self._pending)

@@ -23,8 +23,11 @@ from typing import Any, Hashable, Mapping, Protocol, Sequence
 import numpy as np
 
 from zinf_jax.errors import ConfigError
-from zinf_jax.optim.adam import AdamSpec, adam_update_shard
+from zinf_jax.optim.adam import AdamSpec, adam_coefficients, adam_update_shard, apply_adam
 from zinf_jax.optim.subgroups import Span, sub_groups
+
+Shard = tuple[str, tuple[int, ...], Sequence[np.ndarray], np.ndarray]
+"""``(path, shape, arrays, grad)``: one whole shard for ``UpdateRule.update_each``."""
 
 __all__ = ["UpdateRule", "AdamRule", "make_rule", "rule_for", "WholeSets", "whole_sets"]
 
@@ -56,6 +59,14 @@ class UpdateRule(Protocol):
 
         ``spans``: ``(path, shape, start, stop)`` of each shard in the packed arrays, in order and side by
         side (each starts where the one before stops); ``stop - start`` elements each, no padding.
+        """
+
+    def update_each(self, shards: Sequence[Shard], *, step: int, lr: float | None, mult: np.float32) -> None:
+        """Updates several whole shards in place, each in its own arrays (a pack updated in the tier's arrays:
+        [Note: updates in place] in :mod:`~zinf_jax.optim.driver`).
+
+        ``shards``: ``(path, shape, arrays, grad)`` each, ``arrays`` the master then the states (at least
+        ``len(grad)`` elements each; the first ``len(grad)`` are the shard).
         """
 
     def end_step(self, applied: bool) -> None:
@@ -107,6 +118,18 @@ class AdamRule:
             adam_update_shard(p, m, v, grad[start:stop], step=step, lr=lr, b1=sp.b1, b2=sp.b2, eps=sp.eps,
                               weight_decay=decays[i], eps_root=sp.eps_root, grad_scale=mult)
             i = j + 1
+
+    def update_each(self, shards: Sequence[Shard], *, step: int, lr: float | None, mult: np.float32) -> None:
+        """One kernel call per shard, the step's scalars computed once per weight decay."""
+        sp, coeffs = self.spec, {}
+        for path, shape, (p, m, v), g in shards:
+            decay = sp.decay_for(path, shape)
+            c = coeffs.get(decay)
+            if c is None:
+                c = coeffs[decay] = adam_coefficients(step=step, lr=lr, b1=sp.b1, b2=sp.b2, eps=sp.eps,
+                                                      eps_root=sp.eps_root, weight_decay=decay, grad_scale=mult)
+            n = g.shape[0]
+            apply_adam(p[:n], m[:n], v[:n], g, c)
 
     def end_step(self, applied: bool) -> None:
         pass

@@ -28,7 +28,7 @@ ConfigError naming the parameter).
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -57,6 +57,8 @@ class MultiShardWork:
     _local: dict
     _whole: set
     _holders: dict
+    _in_place: bool
+    _zero_buffer: Callable[[], np.ndarray]
 
     def _io_pack(self, bs: BufferSet, pk: Pack, read: bool) -> None:
         """:meth:`_io` of a pack: each member's states at its offset of the set's arrays (gradients too, from a
@@ -174,6 +176,8 @@ class MultiShardWork:
                      mult: np.float32) -> tuple[float, float]:
         """Updates a pack read into ``bs`` and issues its writes (states, then its parameters in one call);
         the seconds spent in the update and in ``write_params``."""
+        if self._in_place:
+            return self._update_pack_in_place(bs, pk, grad, write_params, step=step, lr=lr, mult=mult)
         t = time.perf_counter()
         g = bs.arrays[-1]
         if not isinstance(grad, TierGrads):  # (read with the states otherwise)
@@ -194,6 +198,29 @@ class MultiShardWork:
         master = arrays[0]
         items = [(gr.path, gr.shard, master[lo:hi].reshape(self.layouts[gr.path].shard_shape))
                  for gr, (_, _, lo, hi) in zip(pk.members, spans)]
+        outs = write_params(items)
+        bs.pending += [f for f in outs if is_future(f)]
+        return t_adam, time.perf_counter() - t
+
+    def _update_pack_in_place(self, bs: BufferSet, pk: Pack, grad, write_params, *, step: int, lr: float,
+                              mult: np.float32) -> tuple[float, float]:
+        """:meth:`_update_pack` on the tier's own arrays, one member at a time (see [Note: updates in place] in
+        :mod:`~zinf_jax.optim.driver`)."""
+        t = time.perf_counter()
+        stored = self.tier.writable([(f"{s}/{gr.path}", gr.index) for gr in pk.members for s in self._names[gr.path]])
+        shards, k = [], 0
+        for gr in pk.members:
+            n = len(self._names[gr.path])
+            part = grad(gr.path, gr.shard)
+            g = self._zero_buffer()[:gr.valid] if part is None else np.asarray(part, np.float32).reshape(-1)
+            shards.append((gr.path, self.layouts[gr.path].shape, stored[k:k + n], g))
+            k += n
+        with TraceAnnotation("zinf/optimizer_update", param=work_name(pk)):
+            self.rule.update_each(shards, step=step, lr=lr, mult=mult)
+        items = [(gr.path, gr.shard, arrays[0][:gr.valid].reshape(self.layouts[gr.path].shard_shape))
+                 for gr, (_, _, arrays, _) in zip(pk.members, shards)]
+        t_adam = time.perf_counter() - t
+        t = time.perf_counter()
         outs = write_params(items)
         bs.pending += [f for f in outs if is_future(f)]
         return t_adam, time.perf_counter() - t

@@ -381,6 +381,29 @@ class CpuTier(_MemoryTier):
                 self._data[(key, index)] = rows[k]
             return rows
 
+    def writable(self, items: Sequence[tuple[str, int]]) -> list[np.ndarray]:
+        """The stored arrays of these ``(key, index)`` shards, for the caller to write its new values into.
+
+        What a put of each would store, without the copy: the caller updates them in place (see [Note: updates
+        in place] in :mod:`zinf_jax.optim.driver`) and is done before its next call to the tier. Counts as a put
+        of each (:attr:`version` grows); earlier puts of them land first.
+
+        Raises:
+          TierError: the tier keeps ``pinned_host`` arrays (immutable), or a shard has no data.
+        """
+        if self.memory != "numpy":
+            raise TierError("cpu tier: only memory='numpy' shards can be written in place")
+        for key, index in items:
+            self._check(key, index)
+        self._settle_many(items)
+        with self._lock:
+            out = [self._data.get(s) for s in items]
+            missing = [s for s, x in zip(items, out) if x is None]
+            if missing:
+                raise TierError(f"cpu tier: no data for shard {missing[0][1]} of {missing[0][0]!r}")
+            self._version += 1
+        return out
+
     def _place(self, index: int, value: Any, spec: ShardSpec, old: Any) -> Any:
         if self.memory == "numpy":
             self._copied(value)
