@@ -342,3 +342,24 @@ def test_bfloat16_compute_float32_grads(gpt_reference):
     np.testing.assert_allclose(float(loss), ref_loss, rtol=2e-2)  # bf16 weights: ~3 significant digits
     g, r = grads["blocks/0/up/kernel"], ref_grads["blocks/0/up/kernel"]
     assert np.linalg.norm(g - r) < 0.1 * np.linalg.norm(r)
+
+
+def test_the_grad_sink_keeps_a_shard_it_is_handed_and_sums_into_an_array_of_its_own():
+    """GradSink.add_local takes the host shard without a copy (a device-to-host copy's buffer, possibly read only);
+    a second gradient of the shard (a tied parameter, a micro-batch) is summed into a new array, then into that."""
+    from zinf_jax.engine.grads import GradSink
+
+    sink = GradSink({}, None)
+    first = np.ones(4, np.float32)
+    first.flags.writeable = False
+    sink.add_local("p", 0, first)
+    assert sink.get("p", 0) is first
+    sink.add_local("p", 0, np.full(4, 2, np.float32))
+    summed = sink.get("p", 0)
+    assert summed is not first and summed.tolist() == [3.0] * 4 and first.tolist() == [1.0] * 4
+    sink.add_local("p", 0, np.ones(4, np.float32))
+    assert sink.get("p", 0) is summed and summed.tolist() == [4.0] * 4
+    sink.clear()
+    sink.add_local("p", 0, first)
+    sink.add_local("p", 0, first)
+    assert sink.get("p", 0).tolist() == [2.0] * 4 and first.tolist() == [1.0] * 4

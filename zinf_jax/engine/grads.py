@@ -2,8 +2,8 @@
 
 Each unit's backward hands its float32 gradients, already reduce-scattered to
 the stored sharding, to :meth:`GradSink.add`. The sink copies this process's
-shards to host buffers (device memory is released at once) and sums repeated
-contributions, so a parameter used by two unit calls (a tied embedding) gets
+shards to host buffers (device memory is released at once), keeps them as they
+are, and sums repeated contributions, so a parameter used by two unit calls (a tied embedding) gets
 the sum of both gradients.
 
 Given a ``target`` (the optimizer's :class:`~zinf_jax.optim.grads_out.TierGrads`,
@@ -41,6 +41,7 @@ class GradSink:
         self.target = target
         self._acc: dict[tuple[str, int], np.ndarray] = {}
         self._rows: dict[tuple[str, int], list] = {}  # a target's stacked shards being summed (add_layer)
+        self._summed: set[tuple[str, int]] = set()  # shards whose gradient is a sum the sink made (its own array)
         self._lock = threading.Lock()
 
     @property
@@ -106,16 +107,24 @@ class GradSink:
                 self.target.add(path, idx, rows[0])
 
     def add_local(self, path: str, index: int, grad: np.ndarray) -> None:
-        """Adds a host gradient for one local shard (persistent parameters)."""
+        """Adds a host gradient for one local shard.
+
+        ``grad`` is handed over: the sink keeps it as the shard's gradient without a copy (it may be a
+        read-only view of a device-to-host copy's buffer) until a second gradient of the shard is added.
+        """
         if self.target is not None:
             self.target.add(path, index, grad)
             return
+        key = (path, index)
         with self._lock:
-            acc = self._acc.get((path, index))
+            acc = self._acc.get(key)
             if acc is None:
-                self._acc[(path, index)] = np.array(grad, dtype=np.float32, copy=True)
-            else:
+                self._acc[key] = np.asarray(grad, dtype=np.float32)
+            elif key in self._summed:  # the sink's own array
                 acc += grad
+            else:
+                self._acc[key] = np.add(acc, grad, dtype=np.float32)
+                self._summed.add(key)
 
     def get(self, path: str, index: int) -> np.ndarray | None:
         """The accumulated gradient shard, or ``None`` if none arrived this step."""
@@ -135,5 +144,6 @@ class GradSink:
         with self._lock:
             self._acc.clear()
             self._rows.clear()
+            self._summed.clear()
         if self.target is not None:
             self.target.clear()
