@@ -2,8 +2,8 @@
 
 Each unit's backward hands its float32 gradients, already reduce-scattered to
 the stored sharding, to :meth:`GradSink.add`. The sink copies this process's
-shards to host buffers (device memory is released at once), keeps them as they
-are, and sums repeated contributions, so a parameter used by two unit calls (a tied embedding) gets
+shards to host arrays of their own (device memory is released at once), keeps
+them as they are, and sums repeated contributions, so a parameter used by two unit calls (a tied embedding) gets
 the sum of both gradients.
 
 Given a ``target`` (the optimizer's :class:`~zinf_jax.optim.grads_out.TierGrads`,
@@ -21,7 +21,18 @@ from jax.sharding import Mesh
 
 from zinf_jax.plan.partition import ParamLayout, split_local
 
-__all__ = ["GradSink"]
+__all__ = ["GradSink", "host_copy"]
+
+
+def host_copy(x: jax.Array) -> np.ndarray:
+    """A single-device array's float32 values in a host array of their own, which holds no device buffer.
+
+    Elsewhere ``np.asarray`` is that device-to-host copy; on the CPU backend it is a view of the device
+    buffer, which the copy here releases (the sink keeps what it is handed: :meth:`GradSink.add_local`).
+    """
+    if next(iter(x.devices())).platform == "cpu":
+        return np.array(x, dtype=np.float32, copy=True)
+    return np.asarray(x, dtype=np.float32)
 
 
 class GradSink:
@@ -68,7 +79,7 @@ class GradSink:
                 s.copy_to_host_async()
         for path, shards in parts:
             for idx, s in shards.items():
-                yield path, idx, np.asarray(s, dtype=np.float32)
+                yield path, idx, host_copy(s)
 
     def add_stacked(self, paths: Sequence[str], grad: jax.Array) -> None:
         """Adds gradients that arrive stacked, ``grad[k]`` being ``paths[k]``'s (a scanned run's parameters,
@@ -77,7 +88,7 @@ class GradSink:
         for s in shards.values():
             s.copy_to_host_async()
         for idx, s in shards.items():
-            host = np.asarray(s, dtype=np.float32)
+            host = host_copy(s)
             for k, path in enumerate(paths):
                 self.add_local(path, idx, host[k])
 
@@ -109,8 +120,8 @@ class GradSink:
     def add_local(self, path: str, index: int, grad: np.ndarray) -> None:
         """Adds a host gradient for one local shard.
 
-        ``grad`` is handed over: the sink keeps it as the shard's gradient without a copy (it may be a
-        read-only view of a device-to-host copy's buffer) until a second gradient of the shard is added.
+        ``grad`` is handed over (:func:`host_copy`): the sink keeps it as the shard's gradient without a copy
+        (it may be read only) until a second gradient of the shard is added.
         """
         if self.target is not None:
             self.target.add(path, index, grad)

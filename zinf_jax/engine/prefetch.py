@@ -80,6 +80,11 @@ class Prefetcher:
             uids.add(self._current[0])
         return sum(self._nbytes(u) for u in uids)
 
+    def settle(self) -> None:
+        """Waits until the fetches in flight have landed (their arrays are then all live)."""
+        for fut in list(self._inflight.values()):
+            fut.result()
+
     def take(self, call: Call) -> list[jax.Array]:
         """The arrays of the unit of ``call``, prefetched when the schedule foresaw it."""
         uid = call[0]

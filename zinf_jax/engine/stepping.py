@@ -22,6 +22,7 @@ from jax.profiler import TraceAnnotation
 
 from zinf_jax.engine.adapters import model_sharding_explained
 from zinf_jax.engine.batching import micro_batches, shard_batch
+from zinf_jax.engine.grads import host_copy
 from zinf_jax.errors import EngineError
 from zinf_jax.optim.driver import NORM_DONE
 from zinf_jax.plan.partition import no_mesh
@@ -168,7 +169,7 @@ class Stepper:
                 )
                 for path, g in zip(eng.adapter.glue_paths, g_glue):
                     if path in eng.trainable:  # replicated: one copy
-                        eng.passes.sink.add_local(path, 0, np.asarray(g.addressable_data(0), np.float32))
+                        eng.passes.sink.add_local(path, 0, host_copy(g.addressable_data(0)))
                 losses.append(float(loss))
                 auxes.append(aux)
         except BaseException:

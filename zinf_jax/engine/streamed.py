@@ -146,7 +146,7 @@ class StreamedModel:
         backward (``False``: keep what the backward needs; no recompute, no
         backward fetch).
       track_live_arrays: also record ``jax.live_arrays()`` bytes at every unit
-        call (slow; for tests and benchmarks).
+        call, once the fetches ahead have landed (slow, and it waits for them; for tests and benchmarks).
       param_loss: a per-parameter loss term added to the training loss, applied
         unit by unit where each unit's parameters are gathered anyway.
       trainable: paths of the parameters to differentiate (``None``: all);
@@ -515,7 +515,8 @@ class StreamedModel:
     def _account(self, uid: int, layer: int | None = None) -> None:
         now = self.held_device_bytes() + self._gathered[uid] // (1 if layer is None else self._layers[uid])
         self.peak_device_bytes = max(self.peak_device_bytes, now)
-        if self.track_live_arrays:
+        if self.track_live_arrays:  # sampled once the fetches ahead have landed, as the accounting counts them
+            self.prefetcher.settle()
             self.peak_live_array_bytes = max(self.peak_live_array_bytes, live_device_bytes())
 
     def reset_peaks(self) -> None:
