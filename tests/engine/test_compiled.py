@@ -69,6 +69,49 @@ def test_compiled_matches_plain_jit(tmp_path, reference, param, opt):
     eng.close()
 
 
+def test_bfloat16_compute_with_both_tiers_in_host_ram_reads_the_masters_cast(tmp_path):
+    """[Note: shared fp32 master] in bfloat16: the param tier keeps no bfloat16 copy of the trained parameters;
+    the step copies the float32 masters out once, cast on the way (one pass over their bfloat16 bytes a step),
+    and trains as a plain mixed-precision step does: the forward and backward of the masters cast to bfloat16,
+    optax.adamw on the float32 masters."""
+    tx = optax.adamw(LR, eps=EPS, weight_decay=0.0)
+    eng = zinf.initialize(ctor, config=config(tmp_path, "cpu", "cpu", compute_dtype="bfloat16"), loss_fn=lm_loss,
+                          optimizer=tx)
+    paths = eng.passes.args.paths
+    assert eng.store.master_paths == set(eng.store.layouts) and eng.store.tier.stored_bytes() == 0  # all trained
+    (w,) = eng.store.fetch([paths[0]])
+    assert w.dtype == jnp.bfloat16
+    copied = lambda: eng.store.tier.copied_bytes + eng.passes.args.host_copy_bytes  # noqa: E731
+    lays = eng.store.layouts
+    once = sum(2 * int(np.prod(lays[p].shard_shape)) * len(eng.store.local_indices(p)) for p in paths)
+    losses, at = [], []
+    for b in batches(STEPS):
+        at.append(copied())
+        losses.append(eng.train_step(b)["loss"])
+    assert [at[k + 1] - at[k] for k in range(2, STEPS - 1)] == [once] * (STEPS - 3)
+
+    gdef, p0, rest = nnx.split(ctor(), nnx.Param, ...)
+
+    @jax.jit
+    def step(p, s, b):
+        def f(p):
+            return lm_loss(nnx.merge(gdef, jax.tree.map(lambda x: x.astype(jnp.bfloat16), p), rest), b)
+        loss, g = jax.value_and_grad(f)(p)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, loss
+
+    p, st, ref = p0, tx.init(p0), []
+    for b in batches(STEPS):
+        p, st, loss = step(p, st, jnp.asarray(b))
+        ref.append(float(loss))
+    np.testing.assert_allclose(losses, ref, rtol=2e-2)  # bf16 forward: ~3 significant digits
+    got, want, start = eng.param_arrays(), flat(p), flat(p0)
+    moved = np.concatenate([(got[k] - start[k]).ravel() for k in want])
+    ref_moved = np.concatenate([(want[k] - start[k]).ravel() for k in want])
+    assert np.linalg.norm(moved - ref_moved) < 0.2 * np.linalg.norm(ref_moved)
+    eng.close()
+
+
 def test_auto_picks_the_engine_by_param_tier(tmp_path):
     assert zinf.ZeroConfig().resolved_engine() == "compiled"
     assert config(tmp_path, "cpu", "nvme").resolved_engine() == "compiled"

@@ -10,7 +10,7 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Iterable, Sequence
 
-__all__ = ["done_future", "failed_future", "all_of", "is_future", "wait_all"]
+__all__ = ["done_future", "failed_future", "then", "all_of", "is_future", "wait_all"]
 
 
 def done_future(value: Any = None) -> Future:
@@ -25,6 +25,20 @@ def failed_future(error: BaseException) -> Future:
     f: Future = Future()
     f.set_exception(error)
     return f
+
+
+def then(fut: Future, fn: Any) -> Future:
+    """A future of ``fn(fut.result())`` (its exception, if ``fut`` or ``fn`` fails)."""
+    out: Future = Future()
+
+    def done(f: Future) -> None:
+        try:
+            out.set_result(fn(f.result()))
+        except BaseException as e:  # noqa: BLE001 - delivered through the future
+            out.set_exception(e)
+
+    fut.add_done_callback(done)
+    return out
 
 
 def all_of(futs: Sequence[Future]) -> Future:

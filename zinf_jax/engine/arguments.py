@@ -141,7 +141,8 @@ class ProgramArgs:
         stored = [p for p in stale if p not in views]
         for p, arr in zip(stored, self.store.fetch(stored, memory_kind=kind) if stored else []):
             self._fetched[p] = (self.store.writes(p), arr)
-        for p, arr in zip(views, self._copy_out([self.store.layouts[p] for p in views], list(views.values()))):
+        for p, arr in zip(views, self._copy_out([self.store.layouts[p] for p in views], list(views.values()),
+                                                [self.store.dtype_of(p) for p in views])):
             self._fetched[p] = (self.store.writes(p), arr)
         self._restack(slots.stacks)
         stacked = [self._stacked[paths][1] for paths in slots.stacks]
@@ -160,13 +161,15 @@ class ProgramArgs:
             else:
                 self._stacked[slots.stacks[slot]] = (tuple(self.store.writes(p) for p in slots.stacks[slot]), x)
 
-    def _copy_out(self, layouts: Sequence[Any], bufs: Sequence[dict[int, np.ndarray]]) -> list[jax.Array]:
+    def _copy_out(self, layouts: Sequence[Any], bufs: Sequence[dict[int, np.ndarray]],
+                  dtypes: Sequence[str]) -> list[jax.Array]:
         """Sharded arrays in pinned host memory from host buffers that the optimizer overwrites in place (its
-        masters: see [Note: masters in rows] in :mod:`zinf_jax.optim.state_io`), each copied once (counted)."""
+        float32 masters: see [Note: masters in rows] in :mod:`zinf_jax.optim.state_io`), each copied once
+        (counted), cast to ``dtypes`` (the compute dtype's) on the way."""
         if not bufs:
             return []
         dev = self.mesh.devices.flat[0]
-        owned = [{i: put_source(x, x.dtype, dev) for i, x in b.items()} for b in bufs]
+        owned = [{i: put_source(x, dt, dev) for i, x in b.items()} for b, dt in zip(bufs, dtypes)]
         self.host_copy_bytes += sum(x.nbytes for b in owned for x in b.values())
         # the transfers finish here: the buffers they read are rewritten by the next optimizer step
         return jax.block_until_ready(assemble_many(layouts, self.mesh, owned, memory_kind="pinned_host"))
@@ -195,7 +198,8 @@ class ProgramArgs:
         rows = [self.store.host_rows(paths) if self.host_params else None for paths, _ in raw]
         direct = [(paths, w, r) for (paths, w), r in zip(raw, rows) if r is not None]  # the optimizer's rows
         lays = [stacked_layout(self.store.layouts[paths[0]], len(paths)) for paths, _, _ in direct]
-        for (paths, writes, _), out in zip(direct, self._copy_out(lays, [r for _, _, r in direct])):
+        outs = self._copy_out(lays, [r for _, _, r in direct], [self.store.dtype_of(paths[0]) for paths, _, _ in direct])
+        for (paths, writes, _), out in zip(direct, outs):
             self._stacked[paths] = (writes, out)
         raw = [(paths, w) for (paths, w), r in zip(raw, rows) if r is None]
         if raw:

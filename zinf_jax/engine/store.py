@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from zinf_jax.plan.partition import ParamLayout, assemble_many, local_shard_devices, split_local
-from zinf_jax._internal.futures import done_future
+from zinf_jax._internal.futures import done_future, then
 from zinf_jax.tiers.base import ShardSpec, Tier, TierError
 from zinf_jax.errors import ParamMismatchError
 
@@ -66,8 +66,8 @@ class ParamStore:
       layouts: path to layout for every parameter.
       mesh: the mesh.
       compute_dtype: dtype of floating parameters in the tier and in compute.
-      master: the optimizer, whose float32 master shards of ``master_paths`` are their values
-        (float32 compute only): those paths are not stored here at all.
+      master: the optimizer, whose float32 master shards of ``master_paths`` are their values (cast to
+        ``compute_dtype`` as they are read): those paths are not stored here at all.
       master_paths: the parameters read from ``master``.
     """
 
@@ -77,8 +77,8 @@ class ParamStore:
         self.layouts = dict(layouts)
         self.mesh = mesh
         self.compute_dtype = compute_dtype
-        if master_paths and (master is None or compute_dtype != "float32"):
-            raise ValueError("parameters can be read from the float32 master only with float32 compute")
+        if master_paths and master is None:
+            raise ValueError("master_paths need the master they are read from (master=)")
         self._master, self.master_paths = master, frozenset(master_paths)
         self.local_indices = local_indices_of(self.layouts, mesh)
         """``local_indices(path)``: shard indices of ``path`` this process stores."""
@@ -152,13 +152,16 @@ class ParamStore:
     def read_local(self, path: str, index: int) -> Future:
         """A future of one local shard as stored (a host array, or a device array on the device tier)."""
         if path in self.master_paths:  # See [Note: shared fp32 master]
-            return self._master.read_state_async(path, index)
+            fut = self._master.read_state_async(path, index)
+            dt = np.dtype(self.dtype_of(path))
+            return fut if dt == np.float32 else then(fut, lambda x: x.astype(dt))
         return self.tier.get(path, index)
 
     def host_view(self, path: str) -> dict[int, np.ndarray] | None:
         """This process's shards of ``path`` as the host buffers that hold them (not copies), or ``None`` if they
         are not such buffers: the optimizer's masters in host RAM, which change in place at its next step (see
-        [Note: masters in rows] in :mod:`zinf_jax.optim.state_io`)."""
+        [Note: masters in rows] in :mod:`zinf_jax.optim.state_io`). They are float32, whatever
+        :meth:`dtype_of` the path: the reader casts them."""
         if path not in self.master_paths:
             return None
         out = {i: self._master.host_master(path, i) for i in self.local_indices(path)}

@@ -335,7 +335,8 @@ class StreamedOptimizer(MultiShardWork, StateAccess):
         smaller sets (made before a new order cut a larger pack) is dropped, to be allocated again."""
         buffered = [w for w in self._work if isinstance(w, Whole) or not self._in_place]  # [Note: updates in place]
         packs = any(isinstance(w, (Pack, Whole)) for w in buffered)  # their gradient is gathered into the set
-        size = max([1 if self._in_place else self._max_chunk, *(w.size for w in buffered if isinstance(w, (Pack, Whole)))])
+        size = max([1 if self._in_place else self._max_chunk,
+                    *(w.size for w in buffered if isinstance(w, (Pack, Whole)))])
         arrays = self._n_arrays + (self.grads is not None or packs)
         if size > self._set_size or arrays > self._set_arrays:
             if self._live:

@@ -10,14 +10,16 @@ optimizer's fp32 master. The engine opens exactly these tiers
 (:mod:`zinf_jax.app.rundir`). Change a decision here and all three follow.
 
 [Note: shared fp32 master]
-With fp32 compute and both tiers on nvme, or both in host RAM under the compiled engine, a trained
-parameter's compute-dtype copy would equal its fp32 master bit for bit. It is not stored twice: the
-param tier holds only the frozen parameters, and the forward reads a trained one from the optimizer
-tier's master (:class:`~zinf_jax.engine.store.ParamStore` ``master_paths``). The optimizer's new
-master is therefore also the new parameter: no parameter write follows the optimizer step, the param
-tier's commit publishes nothing for it, and the estimator counts its disk bytes once. In host RAM the
-compiled step copies the masters out once a step, a scanned run's layers as one stack ([Note: masters
-in rows] in :mod:`zinf_jax.optim.state_io`). Enforced where it is cited by name.
+With fp32 compute and both tiers on nvme, a trained parameter's compute-dtype copy would equal its fp32
+master bit for bit. It is not stored twice: the param tier holds only the frozen parameters, and the
+forward reads a trained one from the optimizer tier's master (:class:`~zinf_jax.engine.store.ParamStore`
+``master_paths``). The optimizer's new master is therefore also the new parameter: no parameter write
+follows the optimizer step, the param tier's commit publishes nothing for it, and the estimator counts
+its disk bytes once. With both tiers in host RAM under the compiled engine the same holds in any compute
+dtype: the compiled step copies the masters out once a step, cast to the compute dtype on the way (the
+cast the optimizer's parameter write would make), a scanned run's layers as one stack ([Note: masters in
+rows] in :mod:`zinf_jax.optim.state_io`). On nvme a bfloat16 copy halves the bytes each step reads, so
+there it is kept. Enforced where it is cited by name.
 
 [Note: scratch gradients]
 With the optimizer on nvme, a unit's gradient shards leave host RAM as the backward produces
@@ -145,7 +147,7 @@ def place(config: ZeroConfig, compute_dtype: str, *, param_device: str | None = 
     nvme_path = params.path if pd == "nvme" else optimizer.path if od == "nvme" else None
     engine = config.resolved_engine(pd)
     return Placement(params=params, optimizer=optimizer, grads=grads,
-                     shared_master=compute_dtype == "float32" and (pd == od == "nvme" or pd == od == "cpu"
-                                                                   and engine == "compiled"),
+                     shared_master=(compute_dtype == "float32" and pd == od == "nvme"
+                                    or pd == od == "cpu" and engine == "compiled"),
                      engine=engine, activations=activations,
                      activations_path=nvme_path if activations == "nvme" else None)
