@@ -198,7 +198,8 @@ class ProgramArgs:
         rows = [self.store.host_rows(paths) if self.host_params else None for paths, _ in raw]
         direct = [(paths, w, r) for (paths, w), r in zip(raw, rows) if r is not None]  # the optimizer's rows
         lays = [stacked_layout(self.store.layouts[paths[0]], len(paths)) for paths, _, _ in direct]
-        outs = self._copy_out(lays, [r for _, _, r in direct], [self.store.dtype_of(paths[0]) for paths, _, _ in direct])
+        outs = self._copy_out(lays, [r for _, _, r in direct],
+                              [self.store.dtype_of(paths[0]) for paths, _, _ in direct])
         for (paths, writes, _), out in zip(direct, outs):
             self._stacked[paths] = (writes, out)
         raw = [(paths, w) for (paths, w), r in zip(raw, rows) if r is None]
