@@ -22,7 +22,11 @@ Usage::
 
     python scripts/bench_step.py [--d-model 128] [--layers 4] [--batch 16] [--seq 64]
         [--reps 7] [--warmup 2] [--steps-per-rep 5] [--tiers device,cpu,nvme] [--no-overlap]
-        [--keep-activations] [--threshold 100000] [--dir DIR] [--out results/bench_step_d128_L4.json]
+        [--keep-activations] [--threshold 100000] [--compute-dtype bfloat16] [--dir DIR]
+        [--out results/bench_step_d128_L4.json]
+
+``--compute-dtype bfloat16`` runs the engines in bfloat16 (plain jit stays float32: the times then
+compare unlike steps); the host copies are counted in passes over the parameters' bfloat16 bytes.
 
 The README's "before" figures ran this script against the older code with
 ``PYTHONPATH=<a worktree of that commit>`` and ``--no-overlap`` (the JSON
@@ -91,7 +95,7 @@ def build_plain(cfg: GPTConfig, mesh, seed: int):
 
 
 def build_zinf(cfg: GPTConfig, mesh, tier: str, root: Path, seed: int, checkpointing: bool = True,
-               threshold: int = 100_000):
+               threshold: int = 100_000, compute_dtype: str | None = None):
     """``tier``: ``device``/``cpu``/``nvme`` (both tiers there, streamed), or ``ENGINE:PARAM/OPT`` (e.g.
     ``compiled:none/cpu``, ``streamed:cpu/cpu``; tiers none/cpu/nvme)."""
     engine = None
@@ -106,6 +110,8 @@ def build_zinf(cfg: GPTConfig, mesh, tier: str, root: Path, seed: int, checkpoin
         path = root / tier.replace("/", "_").replace(":", "_")
         path.mkdir(parents=True)
     kw = {} if checkpointing else {"activation_checkpointing": False}  # (the default; older versions lack it)
+    if compute_dtype is not None:
+        kw["compute_dtype"] = compute_dtype
     if "engine" in {f.name for f in dataclasses.fields(zinf.ZeroConfig)}:  # older versions: streamed only
         kw["engine"] = engine
     config = zinf.ZeroConfig(offload_param=zinf.Offload(param, path=path if param == "nvme" else None),
@@ -133,6 +139,8 @@ def main() -> None:
     ap.add_argument("--keep-activations", action="store_true",
                     help="ZeroConfig(activation_checkpointing=False): no recompute in the backward")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compute-dtype", default=None, choices=["float32", "bfloat16"],
+                    help="the engines' compute dtype (default: the engine's, float32 on CPU); plain jit stays float32")
     ap.add_argument("--threshold", type=int, default=100_000,
                     help="persistence_threshold (1024: the main job's, every block parameter sharded)")
     ap.add_argument("--dir", type=Path, default=None, help="scratch dir for the nvme tier (default: a temp dir)")
@@ -153,10 +161,11 @@ def main() -> None:
     try:
         for t in tiers:
             ck = not args.keep_activations
-            engines[t] = e = build_zinf(cfg, mesh, t, root, args.seed, ck, args.threshold)
+            engines[t] = e = build_zinf(cfg, mesh, t, root, args.seed, ck, args.threshold, args.compute_dtype)
             runners[t] = lambda bs, e=e: [e.train_step(b)["loss"] for b in bs]
             if not args.no_overlap and hasattr(e, "train_steps"):
-                engines[t + "+overlap"] = e = build_zinf(cfg, mesh, t, root / "overlap", args.seed, ck, args.threshold)
+                engines[t + "+overlap"] = e = build_zinf(cfg, mesh, t, root / "overlap", args.seed, ck, args.threshold,
+                                                         args.compute_dtype)
                 runners[t + "+overlap"] = lambda bs, e=e: [m["loss"] for m in e.train_steps(bs)]
         copies0 = {k: _host_copies(e) for k, e in engines.items()}
         losses: dict[str, list[float]] = {k: [] for k in runners}
@@ -180,6 +189,7 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in times.items()}
     ratios = {k: statistics.median([z / p for z, p in zip(times[k], times["plain"])]) for k in times if k != "plain"}
+    itemsize = 2 if args.compute_dtype == "bfloat16" else 4
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(
         nnx.state(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))), nnx.Param)))
     res = {
@@ -191,9 +201,10 @@ def main() -> None:
         "commit": _commit(), "zinf_jax": str(Path(zinf.__file__).parent),
         "times_s": times, "median_s": med, "ratio_median_of_per_rep": ratios,
         "tokens_per_s_median": {k: args.batch * args.seq / v for k, v in med.items()},
-        "param_bytes": n_params * 4,
+        "compute_dtype": args.compute_dtype or "float32",
+        "param_bytes": n_params * itemsize,  # in the compute dtype
         "host_param_bytes_copied_per_step": copies,
-        "host_param_passes_per_step": {k: v / (n_params * 4) for k, v in copies.items()},
+        "host_param_passes_per_step": {k: v / (n_params * itemsize) for k, v in copies.items()},
         "max_abs_loss_diff_vs_plain": {k: max(abs(a - b) for a, b in zip(v, losses["plain"]))
                                        for k, v in losses.items() if k != "plain"},
     }
