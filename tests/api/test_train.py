@@ -83,6 +83,28 @@ def test_exact_resume_bitwise(tmp_path, tier):
     again.close()
 
 
+def test_exact_resume_bitwise_with_both_tiers_in_host_ram_in_bfloat16(tmp_path):
+    """Both tiers in host RAM, bfloat16 compute: the trained parameters are the float32 masters cast as the step
+    copies them out ([Note: shared fp32 master]); a restored engine reads the restored masters and continues
+    bit for bit."""
+    k, n, kw = 3, 3, {"param": "cpu", "opt": "cpu", "compute_dtype": "bfloat16"}
+    eng = engine(tmp_path, **kw)
+    assert eng.mode == "compiled" and eng.store.master_paths
+    for b in batches(k):
+        eng.train_step(b)
+    eng.save(tmp_path / "ckpt")
+    cont = [eng.train_step(b)["loss"] for b in batches(n, k)]
+    cont_params = flat_params(eng.params())
+    eng.close()
+    again = zinf.restore(tmp_path / "ckpt", ctor, config=config(tmp_path, **kw),
+                         optimizer=zinf.adamw(LR, weight_decay=WD, clip_norm=CLIP), loss_fn=lm_loss)
+    assert again.step == k
+    assert [again.train_step(b)["loss"] for b in batches(n, k)] == cont
+    redo_params = flat_params(again.params())
+    assert all(redo_params[p].tobytes() == cont_params[p].tobytes() for p in cont_params)
+    again.close()
+
+
 def test_resharded_restore_8_to_4_devices_nvme_to_cpu(tmp_path):
     eng = engine(tmp_path)
     for b in batches(2):
