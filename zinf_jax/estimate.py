@@ -37,7 +37,7 @@ import jax.numpy as jnp
 
 from zinf_jax._internal.fmt import human_bytes
 from zinf_jax.config import ZeroConfig
-from zinf_jax.engine.host_budget import buffer_set_bytes, updates_in_place
+from zinf_jax.engine.host_budget import buffer_set_bytes, buffer_sets
 from zinf_jax.engine.wrap import make_adapter, trainable_paths
 from zinf_jax.estimate_step import StepDigest, simulate, step_io, trace_calls
 from zinf_jax.optim.choose import with_clipping
@@ -261,7 +261,7 @@ def _estimate(d: StepDigest, config: ZeroConfig, pt: str, ot: str, platform: str
     # float32 master, m, v (and the gradient read back); bf16 moments add their narrow staging buffers
     # (none but the whole-tensor parameters' where the state is updated in place: [Note: updates in place])
     per_set = max(buffer_set_bytes(config, where, d.packs, d.max_chunk), d.whole.set_bytes)
-    sets = len(d.whole.paths) if updates_in_place(config, where) else d.groups
+    sets = buffer_sets(config, where, d.groups, d.whole)
     buffers = (min(d.opt, MOVE_IN_AHEAD) if moved_in else min(config.offload_optimizer.buffer_count, sets)
                * per_set + d.assembly + d.whole.gather_bytes)
     if grads_out:  # the small shards stay in RAM as the backward produces them
@@ -283,7 +283,8 @@ def _estimate(d: StepDigest, config: ZeroConfig, pt: str, ot: str, platform: str
     staging = (pt == "nvme") * (1 + config.prefetch_depth) * max(d.unit_held, default=0) + (ot == "nvme") * buffers
     sizes = HostSizes(unit_held=d.unit_held, unit_gathered=d.unit_gathered, params_on_nvme=pt == "nvme",
                       device_is_host=platform == "cpu",
-                      buffer_set=per_set, sets=max(sets, 1), assembly=d.assembly + d.whole.gather_bytes, optimizer_on_nvme=ot == "nvme",
+                      buffer_set=per_set, sets=sets, assembly=d.assembly + d.whole.gather_bytes,
+                      optimizer_on_nvme=ot == "nvme",
                       grad_ram=d.grad_ram if grads_out else d.grad,
                       grad_unit=max(d.unit_grad, default=0) if grads_out else 0, resident_tiers=cpu_p + cpu_o)
     host_plan = plan_host(sizes, runtime=RUNTIME_OVERHEAD.get(platform, RUNTIME_OVERHEAD["gpu"])[1],

@@ -104,10 +104,15 @@ def test_bfloat16_compute_with_both_tiers_in_host_ram_reads_the_masters_cast(tmp
     for b in batches(STEPS):
         p, st, loss = step(p, st, jnp.asarray(b))
         ref.append(float(loss))
-    np.testing.assert_allclose(losses, ref, rtol=2e-2)  # bf16 forward: ~3 significant digits
+    # bf16 rounds every product and sum to 8 significant bits (relative 2^-9 each); the engine's and the
+    # reference's orders of summation differ (8-device reductions, the recompute), so their losses agree to
+    # about 3 significant digits, as in test_engine's bf16 test
+    np.testing.assert_allclose(losses, ref, rtol=2e-2)
     got, want, start = eng.param_arrays(), flat(p), flat(p0)
     moved = np.concatenate([(got[k] - start[k]).ravel() for k in want])
     ref_moved = np.concatenate([(want[k] - start[k]).ravel() for k in want])
+    # Adam normalises each element's step, so bf16 noise on small gradients moves those elements by up to a
+    # step either way; the movement as a whole agrees within 20% (a stale or uncast master: about 100%)
     assert np.linalg.norm(moved - ref_moved) < 0.2 * np.linalg.norm(ref_moved)
     eng.close()
 

@@ -3,8 +3,8 @@
 Each unit's backward hands its float32 gradients, already reduce-scattered to
 the stored sharding, to :meth:`GradSink.add`. The sink copies this process's
 shards to host arrays of their own (device memory is released at once), keeps
-them as they are, and sums repeated contributions, so a parameter used by two unit calls (a tied embedding) gets
-the sum of both gradients.
+them as they are, and sums repeated contributions, so a parameter used by two
+unit calls (a tied embedding) gets the sum of both gradients.
 
 Given a ``target`` (the optimizer's :class:`~zinf_jax.optim.grads_out.TierGrads`,
 with NVMe offload), the sink holds nothing: each host shard goes straight to

@@ -26,13 +26,19 @@ from zinf_jax.plan.host_memory import HostPlan, HostSizes, plan_host
 from zinf_jax.plan.partition import ParamLayout
 from zinf_jax.plan.placement import Placement
 
-__all__ = ["sizes_of", "plan_for", "planned_config", "buffer_set_bytes", "updates_in_place"]
+__all__ = ["sizes_of", "plan_for", "planned_config", "buffer_set_bytes", "buffer_sets", "updates_in_place"]
 
 
 def updates_in_place(config: ZeroConfig, where: Placement) -> bool:
     """The streamed optimizer updates its state in the cpu tier's own arrays, with buffer sets only for the
     whole-tensor parameters (see [Note: updates in place] in :mod:`zinf_jax.optim.driver`)."""
     return where.optimizer.device == "cpu" and config.moments_dtype == "float32" and not where.grads_out
+
+
+def buffer_sets(config: ZeroConfig, where: Placement, units: int, whole: WholeSets) -> int:
+    """How many units of the optimizer's work go through buffer sets, of ``units`` (the whole-tensor
+    parameters' among them): all of them, or only those where the state is updated in place."""
+    return max(len(whole.paths) if updates_in_place(config, where) else units, 1)
 
 
 def buffer_set_bytes(config: ZeroConfig, where: Placement, packs: bool, elements: int) -> int:
@@ -78,7 +84,7 @@ def sizes_of(layouts: Mapping[str, ParamLayout], units: Sequence[Collection[str]
         unit_held=held, unit_gathered=gathered, params_on_nvme=where.params.device == "nvme",
         device_is_host=platform == "cpu",
         buffer_set=max(buffer_set_bytes(config, where, packs, max(size, 1)), whole.set_bytes),
-        sets=max(len(whole.paths) if updates_in_place(config, where) else groups, 1), assembly=4 * max(cut, default=0) + whole.gather_bytes,
+        sets=buffer_sets(config, where, groups, whole), assembly=4 * max(cut, default=0) + whole.gather_bytes,
         optimizer_on_nvme=where.optimizer.device == "nvme",
         grad_ram=(ram_bytes(sum(g for p, g in grad.items() if 4 * numel[p] < IN_RAM_BELOW)) if grads_out
                   else sum(grad.values())),

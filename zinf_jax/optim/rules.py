@@ -23,7 +23,8 @@ from typing import Any, Hashable, Mapping, Protocol, Sequence
 import numpy as np
 
 from zinf_jax.errors import ConfigError
-from zinf_jax.optim.adam import AdamSpec, adam_coefficients, adam_update_shard, apply_adam
+from zinf_jax.optim.adam import AdamSpec, adam_coefficients, apply_adam
+from zinf_jax.optim.kernel import AdamCoefficients
 from zinf_jax.optim.subgroups import Span, sub_groups
 
 Shard = tuple[str, tuple[int, ...], Sequence[np.ndarray], np.ndarray]
@@ -115,21 +116,24 @@ class AdamRule:
                 j += 1
             start, stop = spans[i][2], spans[j][3]
             p, m, v = (a[start:stop] for a in arrays)
-            adam_update_shard(p, m, v, grad[start:stop], step=step, lr=lr, b1=sp.b1, b2=sp.b2, eps=sp.eps,
-                              weight_decay=decays[i], eps_root=sp.eps_root, grad_scale=mult)
+            apply_adam(p, m, v, grad[start:stop], self._coefficients(decays[i], step, lr, mult))
             i = j + 1
 
     def update_each(self, shards: Sequence[Shard], *, step: int, lr: float | None, mult: np.float32) -> None:
         """One kernel call per shard, the step's scalars computed once per weight decay."""
-        sp, coeffs = self.spec, {}
+        coeffs: dict[float, AdamCoefficients] = {}
         for path, shape, (p, m, v), g in shards:
-            decay = sp.decay_for(path, shape)
-            c = coeffs.get(decay)
-            if c is None:
-                c = coeffs[decay] = adam_coefficients(step=step, lr=lr, b1=sp.b1, b2=sp.b2, eps=sp.eps,
-                                                      eps_root=sp.eps_root, weight_decay=decay, grad_scale=mult)
+            decay = self.spec.decay_for(path, shape)
+            if decay not in coeffs:
+                coeffs[decay] = self._coefficients(decay, step, lr, mult)
             n = g.shape[0]
-            apply_adam(p[:n], m[:n], v[:n], g, c)
+            apply_adam(p[:n], m[:n], v[:n], g, coeffs[decay])
+
+    def _coefficients(self, decay: float, step: int, lr: float | None, mult: np.float32) -> AdamCoefficients:
+        """The step's scalars for shards of weight decay ``decay``."""
+        sp = self.spec
+        return adam_coefficients(step=step, lr=lr, b1=sp.b1, b2=sp.b2, eps=sp.eps, eps_root=sp.eps_root,
+                                 weight_decay=decay, grad_scale=mult)
 
     def end_step(self, applied: bool) -> None:
         pass

@@ -12,10 +12,11 @@ live in a :class:`~zinf_jax.tiers.keys.KeyRegistry`, as in the NVMe tier.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -360,17 +361,10 @@ class CpuTier(_MemoryTier):
           TierError: the tier keeps ``pinned_host`` arrays (immutable: no put is in place), the keys'
             layouts differ, or a shard has no data.
         """
-        if self.memory != "numpy":
-            raise TierError("cpu tier: only memory='numpy' shards can be kept as rows of one array")
         specs = [self._check(key, index) for key in keys]
         if len({(s.shard_shape, s.dtype) for s in specs}) != 1:
             raise TierError(f"cpu tier: shards of {list(keys)} differ in shape or dtype; they cannot share an array")
-        self._settle_many([(key, index) for key in keys])
-        with self._lock:
-            old = [self._data.get((key, index)) for key in keys]
-            missing = [key for key, x in zip(keys, old) if x is None]
-            if missing:
-                raise TierError(f"cpu tier: no data for shard {index} of {missing[0]!r}")
+        with self._numpy_shards([(key, index) for key in keys], "kept as rows of one array") as old:
             base = old[0].base if isinstance(old[0].base, np.ndarray) else None
             if (base is not None and base.shape[0] == len(keys)
                     and all(x.base is base and x.ctypes.data == base[k].ctypes.data for k, x in enumerate(old))):
@@ -391,8 +385,20 @@ class CpuTier(_MemoryTier):
         Raises:
           TierError: the tier keeps ``pinned_host`` arrays (immutable), or a shard has no data.
         """
+        with self._numpy_shards(items, "written in place") as out:
+            self._version += 1
+        return out
+
+    @contextlib.contextmanager
+    def _numpy_shards(self, items: Sequence[tuple[str, int]], use: str) -> Iterator[list[np.ndarray]]:
+        """The stored numpy arrays of ``items`` (after their puts in flight), the tier's lock held meanwhile.
+
+        Raises:
+          TierError: the tier keeps ``pinned_host`` arrays (``use`` says what needed numpy), a shard is out
+            of range, or has no data.
+        """
         if self.memory != "numpy":
-            raise TierError("cpu tier: only memory='numpy' shards can be written in place")
+            raise TierError(f"cpu tier: only memory='numpy' shards can be {use}")
         for key, index in items:
             self._check(key, index)
         self._settle_many(items)
@@ -401,8 +407,7 @@ class CpuTier(_MemoryTier):
             missing = [s for s, x in zip(items, out) if x is None]
             if missing:
                 raise TierError(f"cpu tier: no data for shard {missing[0][1]} of {missing[0][0]!r}")
-            self._version += 1
-        return out
+            yield out
 
     def _place(self, index: int, value: Any, spec: ShardSpec, old: Any) -> Any:
         if self.memory == "numpy":
