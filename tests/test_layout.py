@@ -2,7 +2,7 @@
 
 Layers, bottom first (a module may import its own layer and the ones below):
 
-    _internal, errors -> config -> plan -> tiers -> optim -> engine -> checkpoint
+    _internal, errors -> xla -> config -> plan -> tiers -> optim -> engine -> checkpoint
         -> api, estimate, distributed (the library's front) -> app (the zinf-jax command)
 
 Every import statement counts, at the top of a module or inside a function or an
@@ -18,6 +18,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "zinf_jax"
 LAYERS = (
     ("zinf_jax._internal", "zinf_jax.errors"),
+    ("zinf_jax.xla",),
     ("zinf_jax.config",),
     ("zinf_jax.plan",),
     ("zinf_jax.tiers",),
@@ -29,7 +30,10 @@ LAYERS = (
 )
 JAX_PRIVATE = "zinf_jax._internal.jax_private"  # the one module that may import jax._src
 MODELS_REEXPORT = "zinf_jax.models"  # the old import path of the demo GPT: may import app/
-MAX_LINES = 600
+SIZE_ALARM = 900
+"""Lines past which a module is an outlier worth a look: a size alarm, not the reason to split a file (a file is
+split when it does two jobs). A module over it is listed in LONG_MODULES with why it stays whole."""
+LONG_MODULES: dict[str, str] = {}
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -69,7 +73,7 @@ def _layer(module: str) -> int:
 
 
 def test_every_module_has_a_layer():
-    assert "zinf_jax.engine.build" in MODULES and _layer("zinf_jax.engine.build") == 5
+    assert "zinf_jax.engine.build" in MODULES and _layer("zinf_jax.engine.build") == 6
     for name in MODULES:
         if name != "zinf_jax" and name.count(".") == 1 and not name.endswith("__main__"):
             assert any(name == p or name.startswith(p + ".") for layer in LAYERS for p in layer), \
@@ -124,9 +128,10 @@ def test_every_folder_is_a_package():
     assert not [str(f) for f in folders if not (f / "__init__.py").exists()]
 
 
-def test_no_module_over_the_line_limit():
+def test_no_module_over_the_size_alarm_without_a_reason():
     long = {n: len(p.read_text().splitlines()) for n, p in MODULES.items()}
-    assert not {n: k for n, k in long.items() if k > MAX_LINES}
+    assert not {n: k for n, k in long.items() if k > SIZE_ALARM and n not in LONG_MODULES}
+    assert all(why.strip() for why in LONG_MODULES.values())
 
 
 def test_no_top_level_checkpoint_modules_remain():

@@ -53,7 +53,7 @@ def test_compiled_matches_plain_jit(tmp_path, reference, param, opt):
     eng = zinf.initialize(ctor, config=config(tmp_path, param, opt), loss_fn=lm_loss,
                           optimizer=optax.adamw(LR, eps=EPS, weight_decay=0.0))
     assert eng.mode == "compiled"
-    if param == "cpu":  # the 2 blocks are one scanned run (as in test_scanned_runs): a scan forward and backward
+    if param == "cpu":  # the 2 blocks are one scanned run (as in test_scanned_runs): a loop forward and one backward
         assert eng.lower(batches(1)[0]).as_text().count("stablehlo.while") == 2
     copied = lambda: getattr(eng.store.tier, "copied_bytes", 0) + eng.passes.args.host_copy_bytes  # noqa: E731
     losses, at = [], {}

@@ -64,7 +64,7 @@ def test_the_update_in_the_program_matches_optax(fused_run):
         np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
     assert eng.step == STEPS
     lowered = eng.lower(batches(1)[0])  # the program train_step runs: master, m and v of every trained param in
-    states = lowered.args_info[0][5]
+    states = lowered.args_info[0][6]
     assert len(states) == len(eng.trainable) and all(len(row) == 3 for row in states)
 
 

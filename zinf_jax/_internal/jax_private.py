@@ -28,6 +28,9 @@ name                        from                                  used by
 ``discharge_refs``          ``jax._src.state.discharge``          ``engine/adapters``
 ``distributed_client``      ``jax._src.distributed.global_state``  ``distributed/``
 ``preemption_sync_manager`` ``jax._src.distributed.global_state``  ``distributed/stop``
+``lowered_program``         ``Lowered._lowering`` (private attrs)  ``xla/deviceless``
+``compile_deviceless``      ``jax._src.interpreters.pxla``,       ``xla/worker``
+                            ``jax._src.interpreters.mlir``
 ==========================  ====================================  =====================
 """
 from __future__ import annotations
@@ -39,13 +42,15 @@ from jax._src import distributed as _distributed  # private: the job's client (o
 from jax._src.lax.control_flow import loops as _loops  # private: the scan primitive (JAX 0.10.2)
 from jax._src.interpreters import partial_eval as _pe  # private: jaxpr rewriting (JAX 0.10.2)
 from jax._src.state import discharge as _discharge  # private: Ref-free jaxprs (JAX 0.10.2)
+from jax._src.interpreters import mlir as _mlir  # private: StableHLO bytecode and contexts (JAX 0.10.2)
+from jax._src.interpreters import pxla as _pxla  # private: a program's XLA compile options (JAX 0.10.2)
 from jax.core import ShapedArray, eval_jaxpr
 from jax.extend.core import ClosedJaxpr, DebugInfo, DropVar, Jaxpr, Literal, Primitive, Var, jaxpr_as_fun
 
 __all__ = ["ClosedJaxpr", "DebugInfo", "DropVar", "Jaxpr", "Literal", "Primitive", "Var", "jaxpr_as_fun",
            "ShapedArray", "eval_jaxpr", "join_effects", "convert_constvars_jaxpr", "dce_jaxpr", "discharge_refs",
            "distributed_client", "preemption_sync_manager", "current_trace", "jaxprs_in_params", "scan_p",
-           "bind_params"]
+           "bind_params", "lowered_program", "compile_deviceless"]
 
 join_effects = _core.join_effects
 """The union of effect sets (of a segment's equations)."""
@@ -92,3 +97,37 @@ def preemption_sync_manager():
     ``RuntimeError`` without the manager; checking first gives a clearer error.
     """
     return _distributed.global_state.preemption_sync_manager
+
+
+def lowered_program(lowered) -> dict:
+    """What compiling ``lowered`` (a ``jax.stages.Lowered``) elsewhere needs, as plain data: its StableHLO as
+    bytecode, its device count, and the compile settings JAX derives from its shardings.
+
+    ``Lowered.compile()`` compiles for the backend the program was lowered on; a program lowered on the CPU
+    mesh for ``cuda`` or ``tpu`` (``lowering_platforms``) is compiled on another client by
+    :func:`compile_deviceless`, in another process.
+    """
+    low = lowered._lowering  # MeshComputation (JAX 0.10.2)
+    args = low.compile_args
+    allow_in, allow_out = _pxla.get_prop_to_input_output(args["in_shardings"], args["out_shardings"],
+                                                         len(args["ordered_effects"]))
+    return {"bytecode": _mlir.module_to_bytecode(low.stablehlo()), "devices": len(low._device_list),
+            "tuple_args": bool(args["tuple_args"]), "allow_in": list(allow_in), "allow_out": list(allow_out)}
+
+
+def compile_deviceless(program: dict, devices: list, options: dict):
+    """Compiles a :func:`lowered_program` on the compile-only client of ``devices`` (a topology's).
+
+    Returns:
+      The compiled executable (``hlo_modules()``, ``get_compiled_memory_stats()``).
+    """
+    import numpy as np
+    from jax._src.lib import xla_client as xc
+
+    with _mlir.make_ir_context():
+        module = _mlir.ir.Module.parse(program["bytecode"])
+        dev = np.array(devices[: program["devices"]], dtype=object)
+        client = dev[0].client
+        opts = _pxla.create_compile_options(module, program["tuple_args"], tuple(program["allow_in"]),
+                                            tuple(program["allow_out"]), client, dev, dict(options))
+        return client.compile(module, executable_devices=xc.DeviceList(tuple(dev)), compile_options=opts)

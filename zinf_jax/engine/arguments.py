@@ -73,11 +73,14 @@ class Slots:
     trained: tuple
     frozen: tuple
 
-    def values(self, trained: Sequence[Any], frozen: Sequence[Any]) -> tuple[Callable[[str], Any], list[Any]]:
+    def values(self, trained: Sequence[Any], frozen: Sequence[Any],
+               pieces: Callable[[int, bool], Sequence[tuple[int, int]]] | None = None
+               ) -> tuple[Callable[[str], Any], list[Any]]:
         """``value(path)`` and the stacked arguments, from the program's parameter arguments.
 
-        A trained argument may come as its ``(tap, stored)`` pair (see [Note: gradient taps]); a path's
-        value from a stack is then the pair of its slices.
+        A trained argument may come as its ``(tap, stored)`` pair (see [Note: staged gradients] in
+        :mod:`zinf_jax.engine.staged`); a path's value from a stack is then the pair of its slices, the tap's
+        from the piece holding its layer (``pieces(n, True)``: a stack's layer ranges).
         """
         stacked: list[Any] = [None] * len(self.stacks)
         single: dict[str, Any] = {}
@@ -93,7 +96,14 @@ class Slots:
                 return single[path]
             g, k = where[path]
             x = stacked[g]
-            return (x[0][k], x[1][k]) if isinstance(x, tuple) else x[k]
+            if not isinstance(x, tuple):
+                return x[k]
+            taps = x[0]
+            if isinstance(taps, tuple):  # the tap in pieces
+                ranges = pieces(len(self.stacks[g]), True) if pieces is not None else ((0, len(self.stacks[g])),)
+                a, b = next(r for r in ranges if r[0] <= k < r[1])
+                return taps[ranges.index((a, b))][k - a], x[1][k]
+            return taps[k], x[1][k]
 
         return value, stacked
 

@@ -44,7 +44,7 @@ from zinf_jax.engine.grads import GradSink
 from zinf_jax.engine.overlap import WriteGate
 from zinf_jax.engine.programs import GATHERED, model_call
 from zinf_jax.engine.runs import Run, find_runs
-from zinf_jax.engine.scan_ahead import scan_ahead
+from zinf_jax.engine.staged import Staging, call_staged, pieces, run_staged
 from zinf_jax.engine.staging import keep_all_but_params, read, staged_read, tap
 from zinf_jax.engine.store import ParamStore
 from zinf_jax.engine.streamed import JIT_MESSAGE
@@ -78,6 +78,14 @@ def _floating(dtype: Any) -> bool:
     return bool(jnp.issubdtype(jnp.dtype(dtype), jnp.floating))
 
 
+def _kind(tap_value: Any) -> str | None:
+    """The memory kind of a trained argument's tap (its pieces'), ``None`` for a frozen argument."""
+    if tap_value is None:
+        return None
+    x = tap_value[0] if isinstance(tap_value, tuple) else tap_value
+    return "pinned_host" if jax.typeof(x).memory_space.name == "Host" else "device"
+
+
 def _signature(leaves: Sequence[Any]) -> tuple:
     """What selects a compiled program besides the trace: each leaf's type and sharding."""
     return tuple((jax.typeof(x), getattr(x, "sharding", None)) for x in leaves)
@@ -95,7 +103,7 @@ def _signature(leaves: Sequence[Any]) -> tuple:
 # array, [Note: masters in rows] in zinf_jax.optim.state_io, or the tier's shards stacked), on the
 # device tier by one jitted stack; a stack is rebuilt only when the store wrote one of its paths.
 # Each iteration slices its unit's shards, moves them to device memory (from the host: one iteration
-# ahead, [Note: moves ahead] in zinf_jax.engine.scan_ahead) and gathers them; the
+# ahead, [Note: moves ahead] in zinf_jax.engine.staged) and gathers them; the
 # gradients leave stacked and the sink splits them per path (GradSink.add_stacked). An
 # optimization_barrier on the device copies keeps the all-gather after the slice: without it XLA
 # gathers the (1, shard) slice before squeezing it, lays the whole stacked argument out for that
@@ -226,8 +234,28 @@ class CompiledModel:
         if not grad:
             return run
         if self.activation_checkpointing:  # only the unit's inputs (and its shards) are kept
-            return jax.checkpoint(run)
+            return jax.checkpoint(run, prevent_cse=not self.host_params)
         return jax.checkpoint(run, policy=keep_all_but_params)  # never the params: [Note: gradient taps]
+
+    def _staging(self) -> Staging:
+        return Staging(self.mesh, self.compute_dtype, self.host_params, self.activation_checkpointing)
+
+    def _pieces(self, n: int, grad: bool) -> tuple[tuple[int, int], ...]:
+        """The layer ranges a run's trained stacks come and go in (see ``staged.pieces``)."""
+        return pieces(n, self.host_params and grad)
+
+    def _call(self, c: Any, value: Callable[[str], Any], dyn: list, train: bool, grad: bool,
+              again: Callable[[str], Any] | None) -> list:
+        """A unit call alone: its parameters staged in (see :func:`~zinf_jax.engine.staged.call_staged`)."""
+        lays = self._layouts[c.uid]
+        paths = self.units[c.uid].param_paths
+        model = self._model_call(c.uid, c.method, c.sig, train, lays)
+        vals = [value(p) for p in paths]
+        taps = [v[0] if isinstance(v, tuple) else None for v in vals]
+        return call_staged(lambda ps, d: c.out_tree.flatten_up_to(model(ps, d)), lays,
+                           [v[1] if isinstance(v, tuple) else v for v in vals], taps, dyn, self._staging(),
+                           grad=grad, tap_kinds=[_kind(t) for t in taps],
+                           again=None if again is None else [again(p) for p in paths])
 
     def _penalty(self, paths: Sequence[str], values: Sequence[Any]) -> Any:
         """The parameter loss over ``paths``: unit parameters read as the units read them (in float32), glue
@@ -272,36 +300,36 @@ class CompiledModel:
              *[g for g, ps in enumerate(stacks) if ps[0] not in trained]))
         return hit
 
-    def _scan(self, calls: Sequence[Any], run: Run, stacked: Sequence[jax.Array], ins: list[list[Any]],
+    def _scan(self, calls: Sequence[Any], run: Run, stacked: Sequence[Any], ins: list[list[Any]],
               train: bool, grad: bool) -> list[list[Any]]:
-        """A run of alike unit calls as one ``lax.scan`` over its stacked parameters (see [Note: scanned runs]).
+        """A run of alike unit calls as loops over its stacked parameters (see [Note: scanned runs] and
+        :func:`~zinf_jax.engine.staged.run_staged`).
 
         ``ins``/the result: as ``call_run`` of :class:`~zinf_jax.engine.glue.GlueProgram`.
         """
-        c0 = calls[run.calls[0]]
-        if self.host_params and (self.activation_checkpointing or not grad):  # See [Note: moves ahead]
-            lays = self._layouts[c0.uid]
-            call = self._model_call(c0.uid, c0.method, c0.sig, train, lays)
-            final, ys = scan_ahead(lambda params, dyn: c0.out_tree.flatten_up_to(call(params, dyn)), lays,
-                                   self.mesh, self.compute_dtype, stacked, run, ins, grad)
-            return self._run_result(run, c0, final, ys, len(run.calls))
-        fn, n = self._unit(c0.uid, c0.method, c0.sig, train, grad), len(run.calls)
+        c0, n = calls[run.calls[0]], len(run.calls)
+        lays = self._layouts[c0.uid]
+        model = self._model_call(c0.uid, c0.method, c0.sig, train, lays)
         first = ins[0]
         carried = [p for p, o in enumerate(run.carry) if o is not None]
         per_call = [p for p, o in enumerate(run.carry) if o is None and not run.invariant[p]]
-        xs = [jnp.stack([ins[k][p] for k in range(n)]) for p in per_call]
+        fixed = [p for p, o in enumerate(run.carry)
+                 if o is None and run.invariant[p] and isinstance(first[p], jax.Array)]
+        template = [None if p in carried or p in per_call or p in fixed else v for p, v in enumerate(first)]
 
-        def body(carry, x):
-            params, xs_k = x
-            dyn = list(first)
-            for p, v in zip(carried, carry):
-                dyn[p] = v
-            for p, v in zip(per_call, xs_k):
-                dyn[p] = v
-            outs = c0.out_tree.flatten_up_to(fn(list(params), dyn))
+        def fn(params: list, c: list, f: list, x: list) -> tuple[list, list]:
+            dyn = list(template)
+            for ps, vs in ((carried, c), (per_call, x), (fixed, f)):
+                for p, v in zip(ps, vs):
+                    dyn[p] = v
+            outs = c0.out_tree.flatten_up_to(model(params, dyn))
             return [outs[run.carry[p]] for p in carried], [outs[o] for o in run.outputs]
 
-        final, ys = jax.lax.scan(body, [first[p] for p in carried], (list(stacked), xs))
+        taps = [x[0] if isinstance(x, tuple) else None for x in stacked]
+        final, ys = run_staged(fn, lays, [x[1] if isinstance(x, tuple) else x for x in stacked], taps, n,
+                               [first[p] for p in carried], [first[p] for p in fixed],
+                               [jnp.stack([ins[k][p] for k in range(n)]) for p in per_call], self._staging(),
+                               grad=grad, tap_kinds=[_kind(t) for t in taps])
         return self._run_result(run, c0, final, ys, n)
 
     @staticmethod
@@ -318,17 +346,45 @@ class CompiledModel:
         return result
 
     def _loss_fn(self, traced: Traced, slots: Slots, train: bool, grad: bool) -> Callable:
-        """``(trained, glue, frozen, rest) -> (out, state, batch_state)`` over the stored shards."""
+        """``(trained, glue, frozen, rest[, again]) -> (out, state, batch_state)`` over the stored shards
+        (``again``: :meth:`_again`'s arrays, in a differentiated program with host parameters)."""
         program, calls, units = traced.program, traced.program.calls, self.units
+        singles = self._again_paths(slots) if grad else []
 
-        def loss_of(trained, glue, frozen, rest):
-            value, stacked = slots.values(trained, frozen)
+        def loss_of(trained, glue, frozen, rest, again=()):
+            value, stacked = slots.values(trained, frozen, self._pieces)
+            again_of = dict(zip(singles, again)).__getitem__ if singles else None
 
             def call(k, dyn, layer_params=None):
                 c = calls[k]
-                fn = self._unit(c.uid, c.method, c.sig, train, grad, layer=layer_params is not None)
-                params = [value(p) for p in units[c.uid].param_paths] if layer_params is None else list(layer_params)
-                return c.out_tree.flatten_up_to(fn(params, dyn))
+                if layer_params is None:
+                    return self._call(c, value, list(dyn), train, grad, again_of)
+                if isinstance(layer_params, tuple) and layer_params[0] == "gathered":  # in a staged loop
+                    model = self._model_call(c.uid, c.method, c.sig, train, self._layer_layouts(c.uid))
+                    return c.out_tree.flatten_up_to(model(list(layer_params[1]), list(dyn)))
+                if grad and self.host_params:
+                    raise EngineError(f"zinf_jax: unit {units[c.uid].path!r} holds a stack of layers that the model "
+                                      "scans in reverse, or in a scan that also calls a unit with its whole "
+                                      "parameters; with offload_param='cpu' the engine runs a stack's layers in a "
+                                      "forward scan of their own only. Scan forward, or keep the parameters in "
+                                      "device memory (offload_param='none')")
+                fn = self._unit(c.uid, c.method, c.sig, train, grad, layer=True)
+                return c.out_tree.flatten_up_to(fn(list(layer_params), dyn))
+
+            def run_layers(uids, body, carry, consts, xs, n):  # See [Note: stacks in scans]
+                lays, vals, counts = [], [], []
+                for u in uids:
+                    counts.append(len(units[u].param_paths))
+                    lays += self._layer_layouts(u)
+                    vals += [value(p) for p in units[u].param_paths]
+                taps = [v[0] if isinstance(v, tuple) else None for v in vals]
+
+                def fn(params, c, f, x):
+                    it = iter(params)
+                    return body([[next(it) for _ in range(k)] for k in counts], c, f, x)
+
+                return run_staged(fn, lays, [v[1] if isinstance(v, tuple) else v for v in vals], taps, n, carry,
+                                  consts, xs, self._staging(), grad=grad, tap_kinds=[_kind(t) for t in taps])
 
             def call_run(run, ins):
                 return self._scan(calls, run, [stacked[g] for g in slots.run_stacks[run.start]], ins, train, grad)
@@ -339,7 +395,7 @@ class CompiledModel:
                     return s.fn(*ins)
                 return evaluate(s.jaxpr, [], ins, unit_call_p, calls, call,
                                 lambda uid: [value(p) for p in units[uid].param_paths], self._layers.__getitem__,
-                                lambda uid: units[uid].path)
+                                lambda uid: units[uid].path, run_layers)
 
             return traced.unflatten(program([*glue, *rest], call, slots.runs, call_run, call_segment=segment))
 
@@ -357,44 +413,66 @@ class CompiledModel:
         paths = [[x] if isinstance(x, str) else slots.stacks[x] for x in slots.trained]
         return ["pinned_host" if all(reads.get(p, 0) <= 1 for p in ps) else "device" for ps in paths]
 
-    def _taps(self, slots: Slots, kinds: Sequence[str]) -> list[jax.Array]:
-        """The trained arguments' taps: float32 placeholders shaped and sharded as their stored shards."""
-        out = []
+    def _layered(self, traced: Traced) -> set[str]:
+        """The paths of the stacks of layers the model itself scans (see [Note: stacks in scans])."""
+        return {p for c in traced.program.calls if c.layer == -1 for p in self.units[c.uid].param_paths}
+
+    def _taps(self, slots: Slots, kinds: Sequence[str], layered: Collection[str] = ()) -> list[Any]:
+        """The trained arguments' taps: float32 placeholders shaped and sharded as their stored shards; a
+        stack's, and a model-scanned stack's, in the pieces its backward makes (see [Note: staged gradients])."""
+        out: list[Any] = []
         for slot, kind in zip(slots.trained, kinds):
             lay = self.store.layouts[slot if isinstance(slot, str) else slots.stacks[slot][0]]
-            shape, spec = ((lay.stored_shape, lay.spec) if isinstance(slot, str)
-                           else ((len(slots.stacks[slot]), *lay.stored_shape), P(None, *lay.spec)))
-            out.append(tap(tuple(shape), spec, self.mesh, kind))
+            if isinstance(slot, str) and slot in layered and len(self._pieces(lay.stored_shape[0], True)) > 1:
+                out.append(tuple(tap((b - a, *lay.stored_shape[1:]), lay.spec, self.mesh, kind)
+                                 for a, b in self._pieces(lay.stored_shape[0], True)))
+            elif isinstance(slot, str):
+                out.append(tap(tuple(lay.stored_shape), lay.spec, self.mesh, kind))
+            else:
+                out.append(tuple(tap((b - a, *lay.stored_shape), P(None, *lay.spec), self.mesh, kind)
+                                 for a, b in self._pieces(len(slots.stacks[slot]), True)))
         return out
 
-    def _grad_out(self, slots: Slots, slot: Any, g: jax.Array, kind: str) -> jax.Array:
+    def _grad_out(self, slots: Slots, slot: Any, g: Any, kind: str) -> Any:
         """A trained argument's gradient as it leaves the program (already float32 and reduce-scattered, in its
         tap's ``kind`` of memory): moved to host memory as the last operation where the optimizer is there."""
         if not self.grads_on_host or kind == "pinned_host":
             return g
         lay = self.store.layouts[slot if isinstance(slot, str) else slots.stacks[slot][0]]
         spec = lay.spec if isinstance(slot, str) else P(None, *lay.spec)
-        return jax.device_put(g, NamedSharding(self.mesh, spec, memory_kind="pinned_host"))
+        return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(self.mesh, spec, memory_kind="pinned_host")), g)
+
+    def _again_paths(self, slots: Slots) -> list[str]:
+        """The parameters a differentiated program takes twice: with host parameters, those of the calls
+        alone, whose backward moves them in again from the second argument (see ``staged.call_staged``)."""
+        if not self.host_params:
+            return []
+        return [x for x in (*slots.trained, *slots.frozen) if isinstance(x, str)]
+
+    def _again(self, slots: Slots, trained: Sequence[Any], frozen: Sequence[Any]) -> list[Any]:
+        singles = dict(zip((*slots.trained, *slots.frozen), (*trained, *frozen)))
+        return [singles[p] for p in self._again_paths(slots)]
 
     def _train_program(self, traced: Traced, slots: Slots, has_aux: bool) -> Callable:
         loss_of = self._loss_fn(traced, slots, True, True)
         called = list(dict.fromkeys(c.uid for c in traced.program.calls))
         kinds = self._tap_kinds(traced, slots)
 
-        def step(trained, glue, frozen, rest, scale):
-            def f(taps, g):  # differentiated by the taps: [Note: gradient taps]
+        def step(trained, glue, frozen, rest, scale, again):
+            def f(taps, g):  # differentiated by the taps: [Note: staged gradients]
                 t = list(zip(taps, trained))
-                out, new_state, batch_state = loss_of(t, g, frozen, rest)
+                out, new_state, batch_state = loss_of(t, g, frozen, rest, again)
                 loss, aux = out if has_aux else (out, None)
                 if self.param_loss is not None:  # as the streamed engine: the glue, and each unit called
-                    value, _ = slots.values(t, frozen)
+                    value, _ = slots.values(t, frozen, self._pieces)
                     loss = loss + self._penalty(self.adapter.glue_paths, g)
                     for uid in called:
                         paths = self.units[uid].param_paths
                         loss = loss + self._penalty(paths, [value(p) for p in paths])
                 return loss, (aux, new_state, batch_state)
 
-            loss, vjp, (aux, new_state, batch_state) = jax.vjp(f, self._taps(slots, kinds), glue, has_aux=True)
+            taps = self._taps(slots, kinds, self._layered(traced))
+            loss, vjp, (aux, new_state, batch_state) = jax.vjp(f, taps, glue, has_aux=True)
             if jnp.shape(loss) != ():
                 raise EngineError(f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}; reduce it "
                                   "(e.g. jnp.mean) — nothing was applied")
@@ -421,11 +499,14 @@ class CompiledModel:
             x = master.astype(self.store.dtype_of(path))
             return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, lay.spec))
 
-        def run(trained, glue, frozen, rest, scale, states, scalars):
-            loss, aux, new_state, batch_state, g_trained, g_glue = step(trained, glue, frozen, rest, scale)
+        def run(trained, glue, frozen, rest, scale, again, states, scalars):
+            loss, aux, new_state, batch_state, g_trained, g_glue = step(trained, glue, frozen, rest, scale, again)
             grads = []
-            for slot, ps, g in zip(slots.trained, per_slot, g_trained):
-                grads += [g] if isinstance(slot, str) else [g[k] for k in range(len(ps))]
+            for slot, g in zip(slots.trained, g_trained):  # a stack's in its pieces: [Note: staged gradients]
+                if isinstance(slot, str):
+                    grads.append(jnp.concatenate(g) if isinstance(g, tuple) else g)
+                else:
+                    grads += [piece[k] for piece in g for k in range(piece.shape[0])]
             grads += [g_glue[j] for j in glue_trained]
             masters, new_states, norm, finite = self.fused.update(paths, grads, states, scalars)
             new_params = [stored(p, m) for p, m in zip(paths, masters)]
@@ -502,7 +583,8 @@ class CompiledModel:
         slots = self._slots_of(traced, True)
         trained, frozen = self.args(slots)
         rest = traced.args[len(glue):]
-        return traced, slots, (trained, list(glue), frozen, rest, np.float32(loss_scale))
+        return traced, slots, (trained, list(glue), frozen, rest, np.float32(loss_scale),
+                               self._again(slots, trained, frozen))
 
     def lower(self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array], *, has_aux: bool,
               loss_scale: float = 1.0, program: str = "train",
@@ -553,11 +635,17 @@ class CompiledModel:
             before_backward()
         loss, aux, new_state, batch_state, g_trained, g_glue = prog(*args)
         del args
-        singles = [(x, g) for x, g in zip(slots.trained, g_trained) if isinstance(x, str)]
+        singles = [(x, g) for x, g in zip(slots.trained, g_trained) if isinstance(x, str) and not isinstance(g, tuple)]
         self.sink.add_many([x for x, _ in singles], [g for _, g in singles])
         for x, g in zip(slots.trained, g_trained):
-            if not isinstance(x, str):
-                self.sink.add_stacked(slots.stacks[x], g)
+            if isinstance(x, str) and isinstance(g, tuple):  # a model-scanned stack's, in pieces
+                starts = [a for a, _ in self._pieces(self.store.layouts[x].stored_shape[0], True)]
+                self.sink.add_rows(x, list(zip(starts, g)))
+        for x, g in zip(slots.trained, g_trained):
+            if not isinstance(x, str):  # in the pieces of its run's backward: [Note: staged gradients]
+                paths = slots.stacks[x]
+                for (a, b), piece in zip(self._pieces(len(paths), True), g):
+                    self.sink.add_stacked(paths[a:b], piece)
         self.state = new_state
         self.adapter.update_batch(batch, batch_state)
         return loss, aux, g_glue

@@ -12,6 +12,8 @@ the target, which writes it to the grad tier and sums repeats there.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import threading
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -91,6 +93,21 @@ class GradSink:
             host = host_copy(s)
             for k, path in enumerate(paths):
                 self.add_local(path, idx, host[k])
+
+    def add_rows(self, path: str, pieces: Sequence[tuple[int, jax.Array]]) -> None:
+        """Adds a stacked parameter's gradient that arrives in pieces along its leading (layer) axis, each
+        ``(first row, rows)`` (a model-scanned stack's backward: [Note: staged gradients] in
+        :mod:`zinf_jax.engine.staged`); the pieces cover the axis."""
+        lay = self.layouts[path]
+        rows: dict[int, np.ndarray] = {}
+        for a, g in pieces:
+            part = dataclasses.replace(lay, shape=(g.shape[0], *lay.shape[1:]))
+            for _, idx, host in self._to_host([path], [part], [g]):
+                if idx not in rows:
+                    rows[idx] = np.empty((lay.shape[0], *host.shape[1:]), np.float32)
+                rows[idx][a:a + host.shape[0]] = host
+        for idx, full in rows.items():
+            self.add_local(path, idx, full)
 
     def add_layer(self, paths: Sequence[str], layouts: Sequence[ParamLayout], grads: Sequence[jax.Array], layer: int,
                   n: int) -> None:

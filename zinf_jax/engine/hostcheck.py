@@ -47,7 +47,7 @@ class HostComputeReport:
         going out layer by layer), in program order.
       moves_ahead: moves to device memory inside a loop whose result the iteration only hands on to the
         next one (a layer moved in while the one before computes: [Note: moves ahead] in
-        :mod:`zinf_jax.engine.scan_ahead`).
+        :mod:`zinf_jax.engine.staged`).
     """
 
     violations: tuple[str, ...]

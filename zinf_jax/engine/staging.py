@@ -104,7 +104,8 @@ def staged_read(lay: ParamLayout, mesh: Mesh, dtype: str, host: bool, tap_kind: 
         return checkpoint_name(read(lay, stored, mesh, dtype, host), STAGED)
 
     def fwd(tap_value: jax.Array, stored: jax.Array) -> tuple[jax.Array, None]:
-        return f(tap_value, stored), None
+        del tap_value
+        return checkpoint_name(read(lay, stored, mesh, dtype, host), STAGED), None
 
     def bwd(_: None, ct: jax.Array) -> tuple[jax.Array, None]:
         g = scatter_out(lay, ct, mesh)
@@ -121,7 +122,8 @@ def tap(shape: tuple[int, ...], spec: P, mesh: Mesh, kind: str) -> jax.Array:
 
 
 _MOVES_DATA = frozenset({"broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims",
-                         "convert_element_type", "reduce_precision", "sharding_constraint", "reshard"})
+                         "convert_element_type", "reduce_precision", "sharding_constraint", "reshard",
+                         "device_put", "optimization_barrier"})
 
 
 def _is_staged(params: dict) -> bool:

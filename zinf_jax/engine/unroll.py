@@ -161,16 +161,26 @@ def _layered_calls(jaxpr: Any, call_p: Any, calls: Sequence[Any]) -> list[int]:
     return out
 
 
+LayerLoop = Callable[[list, Callable, list, list, list, int], tuple[list, list]]
+"""``run_layers(uids, body, carry, consts, xs, length) -> (final carry, ys)``: a scan over stacks of layers run by
+the caller, ``body(gathered, carry, consts, x) -> (carry, y)`` taking per unit the layer's parameters as the
+caller hands them (gathered: the call then uses them as they are)."""
+
+
 def evaluate(jaxpr: Any, consts: Sequence[Any], ins: Sequence[Any], call_p: Any, calls: Sequence[Any],
              call_unit: Callable[[int, list, Any], list], stacked: Callable[[int], list],
-             unit_layers: Callable[[int], Any], names: Callable[[int], str]) -> list[Any]:
+             unit_layers: Callable[[int], Any], names: Callable[[int], str],
+             run_layers: LayerLoop | None = None) -> list[Any]:
     """Runs a glue segment whose equations hold unit calls, inside the caller's trace (the compiled engine's
     step): the scans among them stay scans.
 
-    A scan whose body calls a stack of layers (a recorded call with ``layer == -1``) is bound again with the
-    stack's parameters, ``stacked(uid)``, as further scanned inputs, so each iteration's call takes its
-    layer: ``call_unit(k, inputs, layer_params)``. A call of a unit's whole parameters is
-    ``call_unit(k, inputs, None)``.
+    A scan whose body calls a stack of layers (a recorded call with ``layer == -1``) runs over the stack's
+    layers: with ``run_layers``, as the caller's loop over them (its body this scan's, each layered call
+    given its layer's parameters: ``call_unit(k, inputs, ("gathered", params))``); else bound again with the
+    stack's parameters, ``stacked(uid)``, as further scanned inputs, each iteration's call taking its layer
+    (``call_unit(k, inputs, layer_params)``). A call of a unit's whole parameters is
+    ``call_unit(k, inputs, None)``; a reversed scan, or one whose body also calls a unit's whole parameters,
+    is always bound again.
 
     Raises:
       EngineError: a unit call inside another transform, or a stack called outside a scan of its length.
@@ -190,6 +200,13 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], ins: Sequence[Any], call_p: Any,
             if unit_layers(uid) != p["length"]:
                 raise EngineError(_outside_scan(names(uid), unit_layers(uid), p["length"]))
         consts, carry, xs = vals[:nc], vals[nc:nc + nk], vals[nc + nk:]
+        if run_layers is not None and uids and not p["reverse"] and not _whole_calls(body.jaxpr, call_p, calls):
+            def layer_body(gathered: list, c: list, f: list, x: list) -> tuple[list, list]:
+                inner = {**layer_params, **{u: ("gathered", g) for u, g in zip(uids, gathered)}}
+                out = _interpret(body.jaxpr, body.consts, [*f, *c, *x], inner, call_p, on_call, on_scan)
+                return out[:nk], out[nk:]
+            final, ys = run_layers(uids, layer_body, list(carry), list(consts), list(xs), p["length"])
+            return [*final, *ys]
 
         def step(c: list, x: tuple) -> tuple[list, list]:
             xs_i, params_i = x
@@ -202,6 +219,16 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], ins: Sequence[Any], call_p: Any,
         return [*final, *ys]
 
     return _interpret(jaxpr, consts, ins, {}, call_p, on_call, on_scan)
+
+
+def _whole_calls(jaxpr: Any, call_p: Any, calls: Sequence[Any]) -> bool:
+    """Whether ``jaxpr`` (a scan's body) calls some unit with its whole parameters (not one layer of a stack)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is call_p and calls[eqn.params["call"]].layer != -1:
+            return True
+        if any(_whole_calls(sub, call_p, calls) for sub in core.jaxprs_in_params(eqn.params)):
+            return True
+    return False
 
 
 def _inside(name: str) -> str:
