@@ -163,11 +163,23 @@ def _zinf(args: argparse.Namespace, param: str, engine: str, trace: Path | None)
     try:
         batches = _batches(args)
         if eng.mode == "compiled":
-            mem = eng.lower(batches[0]).compile().memory_analysis()
+            from zinf_jax.xla import hlo
+
+            compiled = eng.lower(batches[0]).compile()
+            mem = compiled.memory_analysis()
             out["memory_analysis"] = None if mem is None else {
                 k: int(getattr(mem, k)) for k in ("temp_size_in_bytes", "argument_size_in_bytes",
                                                   "output_size_in_bytes", "host_argument_size_in_bytes")
                 if hasattr(mem, k)}
+            # what the program moves between host and device memory per device per step, and how much of a loop's
+            # moves overlap compute (from the compiled schedule), beside the fewest bytes it needs to move
+            budget = eng.transfer_budget(batches[0])
+            program = hlo.summary(hlo.parse(compiled.as_text()))
+            out["program_transfers"] = {k: program[k] for k in ("h2d_bytes", "d2h_bytes", "in_loop_h2d_bytes",
+                                                                "in_loop_h2d_overlapped", "reduction_dtypes")}
+            out["program_transfers"]["budget_h2d_bytes"] = budget.h2d_bytes
+            out["program_transfers"]["budget_d2h_bytes"] = budget.d2h_bytes
+            out["compiler_options"] = eng.passes.compiler_options(jax.devices()[0].platform)
         for k, b in enumerate(batches):
             traced = trace is not None and k == args.warmup
             tmp = Path(tempfile.mkdtemp(prefix="zinf-trace-")) if traced else None
@@ -236,9 +248,6 @@ def _commit() -> str:
 
 def summarize(args: argparse.Namespace, status: dict) -> dict:
     """The summary of the runners' JSON files written so far."""
-    sys.path.insert(0, str(REPO))
-    from zinf_jax.engine.compiled import GPU_COMPILER_OPTIONS
-
     got = {}
     for name in status:
         path = args.out / f"{name}.json"
@@ -249,7 +258,7 @@ def summarize(args: argparse.Namespace, status: dict) -> dict:
         "model": {"d_model": args.d_model, "n_layers": args.layers, "n_heads": args.heads, "seq": args.seq,
                   "batch": args.batch}, "dtype": args.dtype, "steps": args.steps, "warmup": args.warmup,
         "runners": status, "median_step_s": med, "commit": _commit(), "versions": _versions(),
-        "xla_flags": os.environ.get("XLA_FLAGS", ""), "engine_gpu_compiler_options": GPU_COMPILER_OPTIONS,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
     if "plain" in med:
         res["ratio_vs_plain"] = {n: v / med["plain"] for n, v in med.items() if n != "plain"}
@@ -268,6 +277,15 @@ def summarize(args: argparse.Namespace, status: dict) -> dict:
         res["offload_program_ratio"] = fb["compiled"] / fb["compiled_device"]
     if "transfers" in got:
         res["transfers"] = got["transfers"]
+    for n, r in got.items():  # the program's bytes a step against the link's measured rate: the time they need
+        t = r.get("program_transfers")
+        if t is None:
+            continue
+        res.setdefault("program_transfers", {})[n] = t
+        rate = (got.get("transfers") or {}).get("pinned_to_device_in_program_gbps")
+        if rate and n in fb:
+            t["h2d_seconds_at_link_rate"] = t["h2d_bytes"] / (rate * 1e9)
+            t["program_s"] = fb[n]
     for n, r in got.items():
         if "platform" in r:
             res.setdefault("platform", r["platform"])

@@ -205,12 +205,7 @@ class Engine:
         Raises:
           EngineError: the streamed engine runs (``engine.mode == "streamed"``): it has no one program.
         """
-        self._usable("lower", batch)
-        if self.mode != "compiled":
-            raise EngineError("engine.lower(): the streamed engine runs this model (engine.mode == 'streamed'), a "
-                              "program per unit with I/O between them, not one step program; the compiled engine "
-                              "needs params in device or host memory (offload_param 'none' or 'cpu') and "
-                              "ZeroConfig(engine='auto' or 'compiled')")
+        self._one_program("lower", batch)
         with self.components.model_mesh.running(), model_sharding_explained():
             glue = self.store.fetch(self.adapter.glue_paths)
             if program == "eval":
@@ -220,6 +215,61 @@ class Engine:
             part = self.shard_batch(micro_batches(batch, k)[0])
             return self.passes.lower(self.loss_fn, part, glue, has_aux=self.has_aux,
                                      loss_scale=self.optimizer.loss_scale / k, program=program, platforms=platforms)
+
+    def compile_for(self, target: str, batch: Any, *, program: str = "train", timeout: float = 300.0) -> Any:
+        """A step's program as an accelerator's own compiler compiles it, on this machine, without the accelerator.
+
+        The program :meth:`lower` gives for the target's platform, compiled by XLA's GPU compiler (CUDA plugin, a
+        GPU description) or libtpu's compile-only client, with the XLA options the engine itself compiles with
+        there, in a child process under ``timeout``. Needs that compiler's wheels at the installed jax's version
+        (``scripts/setup_compilers.sh``).
+
+        Args:
+          target: ``"h100"``, ``"h200"``, ``"v5e"`` or ``"v6e"`` (:data:`zinf_jax.xla.TARGETS`).
+          batch: a process-local batch, as for :meth:`train_step`.
+          program: ``"train"`` or ``"eval"``, as for :meth:`lower`.
+          timeout: seconds the compile may take.
+
+        Returns:
+          A :class:`zinf_jax.xla.CompiledProgram`: ``ok``/``error``, XLA's host-compute warnings, and
+          ``summary`` (bytes moved per device per step, the share of a loop's moves that overlap compute,
+          host compute, the types of the cross-device reductions); compare with :meth:`transfer_budget`.
+
+        Raises:
+          EngineError: the streamed engine runs (it has no one program).
+          RuntimeError: the target's compiler is not installed (the message says what to install).
+        """
+        from zinf_jax.xla import compile_programs, target as find_target
+
+        t = find_target(target)
+        lowered = self.lower(batch, program=program, platforms=(t.platform,))
+        options = self.passes.compiler_options("cuda" if t.platform == "cuda" else t.platform)
+        return compile_programs([(program, lowered)], t, options=options, timeout=timeout)[0]
+
+    def transfer_budget(self, batch: Any, *, program: str = "train") -> Any:
+        """The fewest bytes the step's program moves between host and device memory per device per step
+        (:class:`zinf_jax.engine.compiled.TransferBudget`): each host parameter moved in once per call, and
+        again for the backward; with the optimizer on the host each trained parameter's float32 gradient moved
+        out once. :meth:`compile_for`'s ``summary`` gives what the compiled program moves.
+
+        Raises:
+          EngineError: the streamed engine runs.
+        """
+        self._one_program("transfer_budget", batch)
+        with self.components.model_mesh.running(), model_sharding_explained():
+            glue = self.store.fetch(self.adapter.glue_paths)
+            if program != "train":
+                return self.passes.transfer_budget(self.loss_fn, self.shard_batch(batch), glue, program=program)
+            part = self.shard_batch(micro_batches(batch, self.config.gradient_accumulation_steps)[0])
+            return self.passes.transfer_budget(self.loss_fn, part, glue, program="train")
+
+    def _one_program(self, what: str, batch: Any) -> None:
+        self._usable(what, batch)
+        if self.mode != "compiled":
+            raise EngineError(f"engine.{what}(): the streamed engine runs this model (engine.mode == 'streamed'), a "
+                              "program per unit with I/O between them, not one step program; the compiled engine "
+                              "needs params in device or host memory (offload_param 'none' or 'cpu') and "
+                              "ZeroConfig(engine='auto' or 'compiled')")
 
     # --- reading back -----------------------------------------------------------------
     def param_arrays(self) -> dict[str, np.ndarray]:

@@ -47,6 +47,7 @@ from zinf_jax.optim.rules import WholeSets, rule_for, whole_sets
 from zinf_jax.optim.subgroups import PACK_BELOW, PACK_ELEMENTS, pool_geometry, sub_groups
 from zinf_jax.plan.host_memory import HostPlan, HostSizes, plan_host
 from zinf_jax.plan.partition import local_shard_devices, make_mesh, plan_partition
+from zinf_jax.plan.pinned import plan_pinned
 from zinf_jax.plan.placement import place
 from zinf_jax.plan.units import UnitPolicy, layer_count, persistent_paths
 from zinf_jax.tiers.nvme_layout import chunk_shape
@@ -118,6 +119,8 @@ class MemoryEstimate:
         plans the same items from its layouts and its measured memory.
       step_host_bytes: the step's working set in host RAM that the plan leaves to the limit's headroom: on a
         CPU mesh the devices' saved activations and XLA working set (0 on an accelerator).
+      host_pinned_bytes: the part of the host bytes the compiled step keeps in pinned host memory (a GPU
+        runtime's pinned pool: :mod:`zinf_jax.plan.pinned`); the rest of ``host_bytes`` is pageable.
     """
 
     param_tier: str
@@ -141,6 +144,7 @@ class MemoryEstimate:
     step_flops: int = 0
     platform: str = "gpu"
     host_plan: HostPlan | None = None
+    host_pinned_bytes: int = 0
     step_host_bytes: int = 0
 
     @property
@@ -291,6 +295,9 @@ def _estimate(d: StepDigest, config: ZeroConfig, pt: str, ot: str, platform: str
                           prefetch_depth=config.prefetch_depth, buffer_count=config.offload_optimizer.buffer_count,
                           limit=config.host_memory_limit, max_live_bytes=config.max_live_bytes)
     step_host = (dev.get("activations", 0) + d.workspace * d.n_local) if platform == "cpu" else 0
+    item = jnp.dtype(d.compute_dtype).itemsize
+    pinned = plan_pinned(params_bytes=cpu_p, trained_params_bytes=d.grad * item // 4, gradient_bytes=d.grad,
+                         param_tier=pt, grads_to_host=ot != "none" and not moved_in, compiled=where.engine == "compiled")
     return MemoryEstimate(
         param_tier=pt, optimizer_tier=ot, device_bytes=per_device(dev), device_bytes_local=sum(dev.values()),
         host_bytes=sum(host.values()), nvme_bytes=sum(nvme.values()), breakdown=breakdown,
@@ -299,7 +306,7 @@ def _estimate(d: StepDigest, config: ZeroConfig, pt: str, ot: str, platform: str
         n_devices=d.n_local, n_processes=d.n_processes, compute_dtype=d.compute_dtype, params=d.params,
         engine=where.engine, step_read_bytes=read, step_write_bytes=write, step_pass_read_bytes=pass_read,
         step_pass_write_bytes=pass_write, step_flops=flops, platform=platform, host_plan=host_plan,
-        step_host_bytes=step_host)
+        step_host_bytes=step_host, host_pinned_bytes=pinned.total)
 
 
 def estimate_from_sizes(

@@ -71,9 +71,10 @@ def test_compiled_matches_plain_jit(tmp_path, reference, param, opt):
 
 def test_bfloat16_compute_with_both_tiers_in_host_ram_reads_the_masters_cast(tmp_path):
     """[Note: shared fp32 master] in bfloat16: the param tier keeps no bfloat16 copy of the trained parameters;
-    the step copies the float32 masters out once, cast on the way (one pass over their bfloat16 bytes a step),
-    and trains as a plain mixed-precision step does: the forward and backward of the masters cast to bfloat16,
-    optax.adamw on the float32 masters."""
+    the step copies the float32 masters out once, cast on the way (one pass over their bfloat16 bytes a step, but
+    for a run's 1-D layers, kept float32 for XLA:TPU's slicing: ProgramArgs.stack_dtype), and trains as a plain
+    mixed-precision step does: the forward and backward of the masters cast to bfloat16, optax.adamw on the
+    float32 masters."""
     tx = optax.adamw(LR, eps=EPS, weight_decay=0.0)
     eng = zinf.initialize(ctor, config=config(tmp_path, "cpu", "cpu", compute_dtype="bfloat16"), loss_fn=lm_loss,
                           optimizer=tx)
@@ -83,7 +84,12 @@ def test_bfloat16_compute_with_both_tiers_in_host_ram_reads_the_masters_cast(tmp
     assert w.dtype == jnp.bfloat16
     copied = lambda: eng.store.tier.copied_bytes + eng.passes.args.host_copy_bytes  # noqa: E731
     lays = eng.store.layouts
-    once = sum(2 * int(np.prod(lays[p].shard_shape)) * len(eng.store.local_indices(p)) for p in paths)
+    stacked = {p for stack in eng.passes._slots_of(eng.passes._traced(lm_loss, eng.shard_batch(batches(1)[0]),
+                                                                      eng.store.fetch(eng.adapter.glue_paths), True),
+                                                   True).stacks for p in stack}
+    item = lambda p: jnp.dtype(eng.passes.args.stack_dtype(p) if p in stacked else "bfloat16").itemsize  # noqa: E731
+    assert {item(p) for p in paths} == {2, 4}  # the biases and norm scales of the run's layers: float32
+    once = sum(item(p) * int(np.prod(lays[p].shard_shape)) * len(eng.store.local_indices(p)) for p in paths)
     losses, at = [], []
     for b in batches(STEPS):
         at.append(copied())

@@ -149,17 +149,22 @@ def test_old_style_read_is_flagged_on_the_engine_path():
         jax.jit(jax.grad(loss))(jnp.ones(lay.stored_shape), jnp.ones((8, 32))), rtol=1e-6)
 
 
-def test_gpu_compile_options_are_set_and_xla_flags_win(monkeypatch):
-    from zinf_jax.engine.compiled import GPU_COMPILER_OPTIONS, compiler_options
+def test_gpu_compile_options_follow_the_moves_and_xla_flags_win(monkeypatch):
+    """The one XLA option the engine sets for a GPU (tests/xla shows it changes the compiled schedule): as many
+    asynchronous moves at once as a loop iteration makes, where that is more than XLA's default of 2."""
+    from zinf_jax.engine.compiled import GPU_ASYNC_LIMIT, compiler_options
 
     monkeypatch.delenv("XLA_FLAGS", raising=False)
-    assert compiler_options("cpu") == {} and compiler_options("tpu") == {}
-    assert compiler_options("gpu") == GPU_COMPILER_OPTIONS == {
-        "xla_gpu_enable_latency_hiding_scheduler": True, "xla_gpu_enable_while_loop_double_buffering": True}
-    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_while_loop_double_buffering=false")
-    assert compiler_options("cuda") == {"xla_gpu_enable_latency_hiding_scheduler": True}
-    # each is an option this XLA knows (an unknown one is an error at compile)
-    jax.jit(lambda x: x + 1).lower(jnp.ones(2)).compile(compiler_options=GPU_COMPILER_OPTIONS)
+    assert compiler_options("cpu", 24) == {} and compiler_options("tpu", 24) == {}
+    assert compiler_options("gpu", 2) == {} and compiler_options("cuda", 24) == {GPU_ASYNC_LIMIT: 24}
+    monkeypatch.setenv("XLA_FLAGS", f"--{GPU_ASYNC_LIMIT}=4")
+    assert compiler_options("cuda", 24) == {}
+    eng = _engine("cpu", "cpu", 8)  # a block's 12 parameters moved in, and their 12 gradients out
+    assert eng.passes.compiler_options("cuda") == {} and eng.passes.compiler_options("cpu") == {}
+    monkeypatch.delenv("XLA_FLAGS")
+    per_block = sum(p.startswith("blocks/0/") for p in eng.store.layouts)
+    assert eng.passes.compiler_options("cuda") == {GPU_ASYNC_LIMIT: 2 * per_block}
+    eng.close()
 
 
 def _bench_device(tmp_path, *flags, timeout=600):

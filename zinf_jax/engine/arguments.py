@@ -65,6 +65,8 @@ class Slots:
       run_stacks: per run (by start step), its stacked arguments' indices by parameter position.
       trained: the trained arguments: a path, or a stack index.
       frozen: the frozen arguments, likewise.
+      layered: the paths that are stacks of layers the model itself scans (see [Note: stacks in scans] in
+        :mod:`~zinf_jax.engine.compiled`).
     """
 
     runs: tuple[Run, ...]
@@ -72,6 +74,7 @@ class Slots:
     run_stacks: dict
     trained: tuple
     frozen: tuple
+    layered: frozenset = frozenset()
 
     def values(self, trained: Sequence[Any], frozen: Sequence[Any],
                pieces: Callable[[int, bool], Sequence[tuple[int, int]]] | None = None
@@ -152,7 +155,8 @@ class ProgramArgs:
         for p, arr in zip(stored, self.store.fetch(stored, memory_kind=kind) if stored else []):
             self._fetched[p] = (self.store.writes(p), arr)
         for p, arr in zip(views, self._copy_out([self.store.layouts[p] for p in views], list(views.values()),
-                                                [self.store.dtype_of(p) for p in views])):
+                                                [self.stack_dtype(p, True) if p in slots.layered
+                                                 else self.store.dtype_of(p) for p in views])):
             self._fetched[p] = (self.store.writes(p), arr)
         self._restack(slots.stacks)
         stacked = [self._stacked[paths][1] for paths in slots.stacks]
@@ -184,6 +188,19 @@ class ProgramArgs:
         # the transfers finish here: the buffers they read are rewritten by the next optimizer step
         return jax.block_until_ready(assemble_many(layouts, self.mesh, owned, memory_kind="pinned_host"))
 
+    def stack_dtype(self, path: str, layered: bool = False) -> str:
+        """The dtype a stack of ``path``'s layers is copied out in (``layered``: ``path`` is itself a stack of
+        layers, the model scanning it): the stored dtype, except that a stack of 1-D layers in host memory stays
+        float32 where the stored dtype is narrower. XLA:TPU slices a row of a host array only at its packing
+        granularity (two bfloat16 rows per 32-bit sublane: "Sublane slicing size must be multiple of element
+        packing factor"), and a 1-D layer's stack is 2-D, its layer axis tiled. Such layers (biases, norm
+        scales) are a vanishing share of a model's bytes; the cast to the compute dtype runs after the move."""
+        dtype = self.store.dtype_of(path)
+        rank = len(self.store.layouts[path].stored_shape) - int(layered)
+        if self.host_params and rank == 1 and jnp.dtype(dtype).itemsize < 4:
+            return "float32"
+        return dtype
+
     def _raw_stack(self, path: str) -> bool:
         """A stack of ``path``'s layout is built from the tier's shards, not from fetched arrays."""
         return self.host_params or self.store.layouts[path].dim is None
@@ -209,7 +226,7 @@ class ProgramArgs:
         direct = [(paths, w, r) for (paths, w), r in zip(raw, rows) if r is not None]  # the optimizer's rows
         lays = [stacked_layout(self.store.layouts[paths[0]], len(paths)) for paths, _, _ in direct]
         outs = self._copy_out(lays, [r for _, _, r in direct],
-                              [self.store.dtype_of(paths[0]) for paths, _, _ in direct])
+                              [self.stack_dtype(paths[0]) for paths, _, _ in direct])
         for (paths, writes, _), out in zip(direct, outs):
             self._stacked[paths] = (writes, out)
         raw = [(paths, w) for (paths, w), r in zip(raw, rows) if r is None]
@@ -221,7 +238,8 @@ class ProgramArgs:
                 lays.append(stacked_layout(self.store.layouts[paths[0]], len(paths)))
                 bufs.append({i: [s[i] for s in mine] for i in mine[0]})
             if self.host_params:
-                bufs = [{i: np.stack([np.asarray(x) for x in xs]) for i, xs in b.items()} for b in bufs]
+                bufs = [{i: np.stack([np.asarray(x) for x in xs]).astype(self.stack_dtype(paths[0]), copy=False)
+                         for i, xs in b.items()} for b, (paths, _) in zip(bufs, raw)]
                 # the stack, then its put into pinned host memory: two passes over its bytes
                 self.host_copy_bytes += 2 * sum(x.nbytes for b in bufs for x in b.values())
             else:  # device arrays: one program per device for all of them (a dispatch each costs as much)

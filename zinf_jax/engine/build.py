@@ -27,7 +27,7 @@ from zinf_jax._internal.multihost import allreduce_sum
 from zinf_jax.config import ZeroConfig
 from zinf_jax.engine.activations import parking_for
 from zinf_jax.engine.grads import GradSink
-from zinf_jax.engine.host_budget import plan_for, planned_config, sizes_of
+from zinf_jax.engine.host_budget import check_pinned_pool, pinned_of, plan_for, planned_config, sizes_of
 from zinf_jax.engine.init import init_unit_by_unit
 from zinf_jax.engine.lifecycle import LifeCycle
 from zinf_jax.engine.overlap import WriteGate
@@ -175,6 +175,9 @@ def build(adapter: Any, *, config: ZeroConfig, mesh: Mesh, optimizer: Any, init:
         raise ConfigError(f"ZeroConfig.optimizer_update='device': {detail}", field="optimizer_update",
                           detail=detail)
     fused = why is None
+    n_idx = len(local)
+    check_pinned_pool(pinned_of(layouts, [u.param_paths for u in adapter.units], trained, n_idx=n_idx, where=where,
+                                compute_dtype=compute_dtype, fused=fused), jax.devices()[0].platform)
 
     with contextlib.ExitStack() as undo:
         param_tier = _open(where.params, config, device_of)

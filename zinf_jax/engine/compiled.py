@@ -27,10 +27,11 @@ that its ``memory_analysis`` is at hand (:meth:`CompiledModel.lower`).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import weakref
-from typing import Any, Callable, Collection, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -55,27 +56,46 @@ from zinf_jax.plan.model_mesh import ModelMesh
 from zinf_jax.plan.partition import ParamLayout, from_stored, layer_layout
 from zinf_jax.plan.units import Plan, layer_count
 
-__all__ = ["CompiledModel", "GPU_COMPILER_OPTIONS", "compiler_options"]
+__all__ = ["CompiledModel", "GPU_ASYNC_LIMIT", "TransferBudget", "compiler_options"]
 
-GPU_COMPILER_OPTIONS = {
-    "xla_gpu_enable_latency_hiding_scheduler": True,
-    "xla_gpu_enable_while_loop_double_buffering": True,
-}
-"""XLA options the compiled engine sets when it compiles a step for a GPU: the latency-hiding scheduler
-starts each unit's host-to-device move and all-gather ahead of the compute that needs them, and
-while-loop double buffering unrolls a scanned run by two so that the next layer's moves overlap this
-layer's compute. A flag given in ``XLA_FLAGS`` wins over the value here."""
+GPU_ASYNC_LIMIT = "xla_gpu_experimental_parallel_async_compute_limit"
+"""The XLA option the compiled engine sets when it compiles a step for a GPU: how many asynchronous moves
+(a layer's slice of a host stack moved in, a gradient written out to one) XLA's scheduler lets run at once.
+XLA's default, 2, leaves all but two of a layer's moves waited on where they start: in the compiled program
+of the bundled GPT (d256 x 4, params and optimizer on cpu, an H100 description) 33% of a forward loop's
+host-to-device bytes overlapped compute and none of the backward's; at the engine's value, all of them."""
 
 
-def compiler_options(platform: str) -> dict[str, bool]:
-    """The options :class:`CompiledModel` compiles with on ``platform`` (``XLA_FLAGS`` settings left out)."""
-    if platform not in ("gpu", "cuda", "rocm"):
+def compiler_options(platform: str, moves_per_iteration: int) -> dict[str, int]:
+    """The options :class:`CompiledModel` compiles a step with on ``platform`` (``XLA_FLAGS`` settings left out).
+
+    Args:
+      platform: ``"gpu"``/``"cuda"``/``"rocm"`` (anything else: none).
+      moves_per_iteration: the moves a loop iteration makes at most (a layer's parameters in, its gradients
+        out); XLA's own limit (2) where that is not more.
+    """
+    if platform not in ("gpu", "cuda", "rocm") or moves_per_iteration <= 2:
         return {}
-    given = os.environ.get("XLA_FLAGS", "")
-    return {k: v for k, v in GPU_COMPILER_OPTIONS.items() if f"--{k}" not in given}
+    if f"--{GPU_ASYNC_LIMIT}" in os.environ.get("XLA_FLAGS", ""):
+        return {}
+    return {GPU_ASYNC_LIMIT: int(moves_per_iteration)}
+
 
 def _floating(dtype: Any) -> bool:
     return bool(jnp.issubdtype(jnp.dtype(dtype), jnp.floating))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TransferBudget:
+    """Bytes a step's program needs to move between host and device memory, per device per step.
+
+    Attributes:
+      h2d_bytes: host to device (parameters in host memory, each call's).
+      d2h_bytes: device to host (float32 gradients for an optimizer on the host).
+    """
+
+    h2d_bytes: int
+    d2h_bytes: int
 
 
 def _kind(tap_value: Any) -> str | None:
@@ -178,6 +198,12 @@ class CompiledModel:
         self._rep = NamedSharding(self.mesh, P())
         self.args = ProgramArgs(store, host_params=host_params, paths=paths, gate=self.gate)
 
+    def compiler_options(self, platform: str) -> dict[str, int]:
+        """The XLA options a step is compiled with on ``platform`` (see :func:`compiler_options`): a loop's
+        iteration moves a unit's parameters in (host parameters) and its gradients out (a host optimizer)."""
+        most = max((len(u.param_paths) for u in self.units), default=0)
+        return compiler_options(platform, most * (int(self.host_params) + int(self.grads_on_host)))
+
     # --- the interface the stepper and the checkpoint state use --------------------
     def replace_state(self, state: Any) -> Any:
         """Sets the model's non-parameter state; returns the old one (see ``StreamedModel.replace_state``)."""
@@ -244,18 +270,19 @@ class CompiledModel:
         """The layer ranges a run's trained stacks come and go in (see ``staged.pieces``)."""
         return pieces(n, self.host_params and grad)
 
-    def _call(self, c: Any, value: Callable[[str], Any], dyn: list, train: bool, grad: bool,
-              again: Callable[[str], Any] | None) -> list:
-        """A unit call alone: its parameters staged in (see :func:`~zinf_jax.engine.staged.call_staged`)."""
+    def _call(self, k: int, c: Any, value: Callable[[str], Any], dyn: list, train: bool, grad: bool,
+              reads: Mapping[tuple, Any]) -> list:
+        """A unit call alone: its parameters staged in (see :func:`~zinf_jax.engine.staged.call_staged`), read
+        from the program arguments :meth:`_reads` gives this call, where it has its own."""
         lays = self._layouts[c.uid]
         paths = self.units[c.uid].param_paths
         model = self._model_call(c.uid, c.method, c.sig, train, lays)
         vals = [value(p) for p in paths]
         taps = [v[0] if isinstance(v, tuple) else None for v in vals]
-        return call_staged(lambda ps, d: c.out_tree.flatten_up_to(model(ps, d)), lays,
-                           [v[1] if isinstance(v, tuple) else v for v in vals], taps, dyn, self._staging(),
-                           grad=grad, tap_kinds=[_kind(t) for t in taps],
-                           again=None if again is None else [again(p) for p in paths])
+        stored = [reads.get((k, p, "forward"), v[1] if isinstance(v, tuple) else v) for p, v in zip(paths, vals)]
+        again = [reads[(k, p, "backward")] for p in paths] if grad and self.host_params else None
+        return call_staged(lambda ps, d: c.out_tree.flatten_up_to(model(ps, d)), lays, stored, taps, dyn,
+                           self._staging(), grad=grad, tap_kinds=[_kind(t) for t in taps], again=again)
 
     def _penalty(self, paths: Sequence[str], values: Sequence[Any]) -> Any:
         """The parameter loss over ``paths``: unit parameters read as the units read them (in float32), glue
@@ -297,7 +324,8 @@ class CompiledModel:
             (*[p for p in self._train_paths if p not in in_stack],
              *[g for g, ps in enumerate(stacks) if ps[0] in trained]),
             (*[p for p in self._frozen_paths if p not in in_stack],
-             *[g for g, ps in enumerate(stacks) if ps[0] not in trained]))
+             *[g for g, ps in enumerate(stacks) if ps[0] not in trained]),
+            frozenset(self._layered(traced)))
         return hit
 
     def _scan(self, calls: Sequence[Any], run: Run, stacked: Sequence[Any], ins: list[list[Any]],
@@ -346,19 +374,19 @@ class CompiledModel:
         return result
 
     def _loss_fn(self, traced: Traced, slots: Slots, train: bool, grad: bool) -> Callable:
-        """``(trained, glue, frozen, rest[, again]) -> (out, state, batch_state)`` over the stored shards
-        (``again``: :meth:`_again`'s arrays, in a differentiated program with host parameters)."""
+        """``(trained, glue, frozen, rest, reads) -> (out, state, batch_state)`` over the stored shards
+        (``reads``: :meth:`_reads`'s arrays)."""
         program, calls, units = traced.program, traced.program.calls, self.units
-        singles = self._again_paths(slots) if grad else []
+        keys = self._read_keys(traced, slots, grad)
 
-        def loss_of(trained, glue, frozen, rest, again=()):
+        def loss_of(trained, glue, frozen, rest, reads=()):
             value, stacked = slots.values(trained, frozen, self._pieces)
-            again_of = dict(zip(singles, again)).__getitem__ if singles else None
+            reads_of = dict(zip(keys, reads))
 
             def call(k, dyn, layer_params=None):
                 c = calls[k]
                 if layer_params is None:
-                    return self._call(c, value, list(dyn), train, grad, again_of)
+                    return self._call(k, c, value, list(dyn), train, grad, reads_of)
                 if isinstance(layer_params, tuple) and layer_params[0] == "gathered":  # in a staged loop
                     model = self._model_call(c.uid, c.method, c.sig, train, self._layer_layouts(c.uid))
                     return c.out_tree.flatten_up_to(model(list(layer_params[1]), list(dyn)))
@@ -442,26 +470,44 @@ class CompiledModel:
         spec = lay.spec if isinstance(slot, str) else P(None, *lay.spec)
         return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(self.mesh, spec, memory_kind="pinned_host")), g)
 
-    def _again_paths(self, slots: Slots) -> list[str]:
-        """The parameters a differentiated program takes twice: with host parameters, those of the calls
-        alone, whose backward moves them in again from the second argument (see ``staged.call_staged``)."""
+    def _read_keys(self, traced: Traced, slots: Slots, grad: bool) -> list[tuple[int, str, str]]:
+        """The parameter arguments a program takes more than once: with host parameters, each call alone reads
+        its parameters from an argument of its own, ``(call, path, "forward")`` (but the first call of a path,
+        which reads the path's argument), and in a differentiated program its backward from another,
+        ``(call, path, "backward")``. The same buffers, passed again: two reads of one argument are two
+        identical moves, which XLA merges into one copy kept between them (for a tied embedding, from the
+        lookup to the head), where a unit's parameters are to be moved in for each use and released after."""
         if not self.host_params:
             return []
-        return [x for x in (*slots.trained, *slots.frozen) if isinstance(x, str)]
+        in_runs = {k for run in slots.runs for k in run.calls}
+        seen: set[str] = set()
+        keys = []
+        for k, c in enumerate(traced.program.calls):
+            if k in in_runs or c.layer == -1:
+                continue
+            for p in self.units[c.uid].param_paths:
+                if p in seen:
+                    keys.append((k, p, "forward"))
+                seen.add(p)
+                if grad:
+                    keys.append((k, p, "backward"))
+        return keys
 
-    def _again(self, slots: Slots, trained: Sequence[Any], frozen: Sequence[Any]) -> list[Any]:
+    def _reads(self, traced: Traced, slots: Slots, grad: bool, trained: Sequence[Any],
+               frozen: Sequence[Any]) -> list[Any]:
+        """The arrays of :meth:`_read_keys`: each the path's own argument again."""
         singles = dict(zip((*slots.trained, *slots.frozen), (*trained, *frozen)))
-        return [singles[p] for p in self._again_paths(slots)]
+        return [singles[p] for _, p, _ in self._read_keys(traced, slots, grad)]
 
     def _train_program(self, traced: Traced, slots: Slots, has_aux: bool) -> Callable:
         loss_of = self._loss_fn(traced, slots, True, True)
         called = list(dict.fromkeys(c.uid for c in traced.program.calls))
         kinds = self._tap_kinds(traced, slots)
 
-        def step(trained, glue, frozen, rest, scale, again):
+        def step(trained, glue, frozen, rest, scale, reads):
             def f(taps, g):  # differentiated by the taps: [Note: staged gradients]
                 t = list(zip(taps, trained))
-                out, new_state, batch_state = loss_of(t, g, frozen, rest, again)
+                out, new_state, batch_state = loss_of(t, g, frozen, rest, reads)
                 loss, aux = out if has_aux else (out, None)
                 if self.param_loss is not None:  # as the streamed engine: the glue, and each unit called
                     value, _ = slots.values(t, frozen, self._pieces)
@@ -499,8 +545,8 @@ class CompiledModel:
             x = master.astype(self.store.dtype_of(path))
             return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, lay.spec))
 
-        def run(trained, glue, frozen, rest, scale, again, states, scalars):
-            loss, aux, new_state, batch_state, g_trained, g_glue = step(trained, glue, frozen, rest, scale, again)
+        def run(trained, glue, frozen, rest, scale, reads, states, scalars):
+            loss, aux, new_state, batch_state, g_trained, g_glue = step(trained, glue, frozen, rest, scale, reads)
             grads = []
             for slot, g in zip(slots.trained, g_trained):  # a stack's in its pieces: [Note: staged gradients]
                 if isinstance(slot, str):
@@ -559,7 +605,7 @@ class CompiledModel:
         hit = progs.get(key)
         if hit is None:
             lowered = jax.jit(make()).lower(*args)
-            options = compiler_options(self.mesh.devices.flat[0].platform)
+            options = self.compiler_options(self.mesh.devices.flat[0].platform)
             hit = progs[key] = (lowered, lowered.compile(compiler_options=options or None))
             self._note_memory(hit[1])
         return hit
@@ -584,7 +630,7 @@ class CompiledModel:
         trained, frozen = self.args(slots)
         rest = traced.args[len(glue):]
         return traced, slots, (trained, list(glue), frozen, rest, np.float32(loss_scale),
-                               self._again(slots, trained, frozen))
+                               self._reads(traced, slots, True, trained, frozen))
 
     def lower(self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array], *, has_aux: bool,
               loss_scale: float = 1.0, program: str = "train",
@@ -603,7 +649,7 @@ class CompiledModel:
             traced = self._traced(loss_fn, batch, glue, False)
             slots = self._slots_of(traced, False)
             trained, frozen = self.args(slots)
-            args = (trained, list(glue), frozen, traced.args[len(glue):])
+            args = (trained, list(glue), frozen, traced.args[len(glue):], self._reads(traced, slots, False, trained, frozen))
             return self._compiled(traced, ("eval", False), lambda: self._loss_fn(traced, slots, False, False), args,
                                   platforms)[0]
         if program != "train":
@@ -615,6 +661,43 @@ class CompiledModel:
                                   full, platforms)[0]
         return self._compiled(traced, ("train", has_aux), lambda: self._train_program(traced, slots, has_aux), args,
                               platforms)[0]
+
+    def transfer_budget(self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array], *,
+                        program: str = "train") -> TransferBudget:
+        """The fewest bytes a step's program moves between host and device memory, per device (see
+        [Note: moves ahead] and [Note: staged gradients] in :mod:`zinf_jax.engine.staged`): host parameters
+        moved in once per call, and once more for the backward of a training step; with a host optimizer, each
+        trained parameter's float32 gradient moved out once. What XLA can show it moves."""
+        train = program == "train"
+        traced = self._traced(loss_fn, batch, glue, train)
+        slots = self._slots_of(traced, train)
+        calls = traced.program.calls
+
+        def nbytes(path: str, layers: int = 1, dtype: Any = None) -> int:
+            lay = self.store.layouts[path]
+            item = jnp.dtype(dtype or self.args.stack_dtype(path, path in slots.layered)).itemsize
+            return int(np.prod(lay.shard_shape)) * item // layers
+
+        h2d = d2h = 0
+        if self.host_params:
+            uses = 2 if train else 1
+            in_runs = {k for run in slots.runs for k in run.calls}
+            for run in slots.runs:
+                h2d += uses * len(run.calls) * sum(nbytes(p) for p in self.units[calls[run.calls[0]].uid].param_paths)
+            single = lambda p: nbytes(p, dtype=self.store.dtype_of(p))  # noqa: E731 - a call alone's argument
+            for k, c in enumerate(calls):
+                if k in in_runs:
+                    continue
+                if c.layer == -1:
+                    n = self._layers[c.uid]
+                    h2d += uses * n * sum(nbytes(p, n) for p in self.units[c.uid].param_paths)
+                else:
+                    h2d += uses * sum(single(p) for p in self.units[c.uid].param_paths)
+            if train and self.param_loss is not None:  # each called unit's parameters read for the penalty
+                h2d += sum(single(p) for uid in dict.fromkeys(c.uid for c in calls) for p in self.units[uid].param_paths)
+        if train and self.grads_on_host and self.fused is None:
+            d2h = sum(nbytes(p, dtype=jnp.float32) for p in self._train_paths)
+        return TransferBudget(h2d_bytes=h2d, d2h_bytes=d2h)
 
     def forward_backward(
         self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array], *, has_aux: bool, loss_scale: float = 1.0,
@@ -657,7 +740,7 @@ class CompiledModel:
         traced = self._traced(loss_fn, batch, glue, train)
         slots = self._slots_of(traced, train)
         trained, frozen = self.args(slots)
-        args = (trained, list(glue), frozen, traced.args[len(glue):])
+        args = (trained, list(glue), frozen, traced.args[len(glue):], self._reads(traced, slots, False, trained, frozen))
         _, prog = self._compiled(traced, ("eval", train), lambda: self._loss_fn(traced, slots, train, False), args)
         out, new_state, batch_state = prog(*args)
         if train:

@@ -22,11 +22,13 @@ from zinf_jax.errors import ConfigError
 from zinf_jax.optim.grads_out import IN_RAM_BELOW, ram_bytes
 from zinf_jax.optim.rules import WholeSets
 from zinf_jax.optim.subgroups import PACK_BELOW, PACK_ELEMENTS, pool_geometry, sub_groups
+from zinf_jax.plan.pinned import POOL_VARIABLE, PinnedPlan, plan_pinned, pool_decision
 from zinf_jax.plan.host_memory import HostPlan, HostSizes, plan_host
 from zinf_jax.plan.partition import ParamLayout
 from zinf_jax.plan.placement import Placement
 
-__all__ = ["sizes_of", "plan_for", "planned_config", "buffer_set_bytes", "buffer_sets", "updates_in_place"]
+__all__ = ["sizes_of", "plan_for", "planned_config", "buffer_set_bytes", "buffer_sets", "updates_in_place", "pinned_of",
+           "check_pinned_pool"]
 
 
 def updates_in_place(config: ZeroConfig, where: Placement) -> bool:
@@ -91,6 +93,48 @@ def sizes_of(layouts: Mapping[str, ParamLayout], units: Sequence[Collection[str]
         grad_unit=unit_grad if grads_out else 0,
         resident_tiers=(sum(held) if where.params.device == "cpu" else 0)
         + (state if where.optimizer.device == "cpu" else 0))
+
+
+def pinned_of(layouts: Mapping[str, ParamLayout], units: Sequence[Collection[str]], trained: Collection[str], *,
+              n_idx: int, where: Placement, compute_dtype: str, fused: bool) -> PinnedPlan:
+    """The pinned host bytes of an engine's step on this process (:func:`zinf_jax.plan.pinned.plan_pinned`).
+
+    Args:
+      layouts, units, trained: as :func:`sizes_of`.
+      n_idx: the shard indices this process stores.
+      where, compute_dtype: the engine's placement and compute dtype.
+      fused: the optimizer's update runs in the step's program (its gradients stay on the devices).
+    """
+    def nbytes(p: str, dtype: str) -> int:
+        lay = layouts[p]
+        return math.prod(lay.shard_shape) * (1 if lay.dim is None else n_idx) * jnp.dtype(dtype).itemsize
+
+    def dtype(p: str) -> str:
+        return compute_dtype if jnp.issubdtype(jnp.dtype(layouts[p].dtype), jnp.floating) else layouts[p].dtype
+
+    paths = {p for u in units for p in u}
+    return plan_pinned(params_bytes=sum(nbytes(p, dtype(p)) for p in paths),
+                       trained_params_bytes=sum(nbytes(p, dtype(p)) for p in paths if p in trained),
+                       gradient_bytes=sum(nbytes(p, "float32") for p in paths if p in trained),
+                       param_tier=where.params.device, grads_to_host=where.optimizer.device != "none" and not fused,
+                       compiled=where.engine == "compiled")
+
+
+def check_pinned_pool(plan: PinnedPlan, platform: str, *, client_started: bool = True) -> None:
+    """Refuses a step whose pinned host memory cannot fit the GPU runtime's pinned pool, before anything is built;
+    sets the pool's variable from the plan where the runtime has not started yet (see
+    :func:`zinf_jax.plan.pinned.pool_decision`).
+
+    Raises:
+      ConfigError: the plan is over the pool (the message names the variable, the bytes and the fix).
+    """
+    import os
+
+    decision = pool_decision(plan, platform=platform, client_started=client_started)
+    if decision.action == "set":
+        os.environ[POOL_VARIABLE] = str(decision.gigabytes)
+    elif decision.action == "refuse":
+        raise ConfigError(f"zinf_jax: {decision.message}", field="offload_param", detail=decision.message)
 
 
 def plan_for(sizes: HostSizes, config: ZeroConfig, *, runtime: int | None = None) -> HostPlan:

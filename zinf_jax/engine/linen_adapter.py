@@ -326,6 +326,9 @@ class LinenAdapter:
 
         return loss_fn(model, batch), current, None
 
+    def batch_state(self, batch: Any) -> None:
+        """Linen batches hold no state."""
+
     def update_batch(self, batch: Any, batch_state: Any) -> None:
         """Linen batches hold no state."""
 

@@ -480,6 +480,12 @@ class NnxAdapter:
         nnx.pop(model, nnx.Intermediate)
         return out, nnx.split(model, nnx.Param, _LayerIndex, ...)[3], (nnx.split(box)[1] if box is not None else None)
 
+    def batch_state(self, batch: Any) -> Any:
+        """The state of the NNX objects in ``batch`` (an ``nnx.Rngs`` passed in), to put back with
+        :meth:`update_batch` after a step that failed (``None``: the batch holds none)."""
+        nodes = [x for x in jax.tree.leaves(batch, is_leaf=nnx.graph.is_graph_node) if nnx.graph.is_graph_node(x)]
+        return nnx.state(nnx.List(nodes)) if nodes else None
+
     def update_batch(self, batch: Any, batch_state: Any) -> None:
         """Writes the new state of the NNX objects in ``batch`` into them (RNG counters advance)."""
         if batch_state is None:

@@ -322,8 +322,8 @@ def run_staged(fn: LoopFn, layouts: Sequence[ParamLayout], stacks: Sequence[Any]
             by_tap = [(g[None],) + t for g, t in zip(g_first, by_tap)]
             g_xs = [jnp.concatenate([g[None]] + t) for g, t in zip(gx_first, gx)]
         out_taps: list[Any] = [None] * len(taps)
-        for j, g in zip(trained, by_tap):
-            out_taps[j] = tuple(g)
+        for j, g in zip(trained, by_tap):  # in the structure the tap came in: pieces or one array
+            out_taps[j] = tuple(g) if isinstance(taps[j], tuple) else g[0]
         return (out_taps, None, _place(dc, ct_c, len(carry0)), _place(df, acc, len(fixed)),
                 _place(dx, g_xs, len(xs)))
 

@@ -9,6 +9,7 @@ behind the :class:`~zinf_jax.engine.overlap.WriteGate`.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import time
@@ -22,6 +23,7 @@ from jax.profiler import TraceAnnotation
 
 from zinf_jax.engine.adapters import model_sharding_explained
 from zinf_jax.engine.batching import micro_batches, shard_batch
+from zinf_jax._internal.interrupts import deferred_interrupts
 from zinf_jax.engine.grads import host_copy
 from zinf_jax.errors import EngineError
 from zinf_jax.optim.driver import NORM_DONE
@@ -71,11 +73,45 @@ class Stepper:
         self._ordered_for: Any = None  # the plan the optimizer's update order follows
 
     def step(self, batch: Any, loss: Loss) -> dict[str, Any]:
-        """One forward/backward and optimizer step (``Engine.train_step``) of ``loss``."""
+        """One forward/backward and optimizer step (``Engine.train_step``) of ``loss``, as a transaction (see
+        [Note: a step is a transaction])."""
         if self.c.life.looping:
             raise EngineError("engine.train_step() inside an engine.train_steps() loop: the loop holds the next "
                               "batch's gradients; take the next step from the loop (or break out of it first)")
-        return self._update(self._forward_backward(batch, loss))
+        before = self._snapshot(batch)
+        try:
+            grads = self._forward_backward(batch, loss)
+            with deferred_interrupts():  # the optimizer's in-place update, not stopped half-way
+                return self._update(grads)
+        except BaseException:
+            self._roll_back(before)
+            raise
+
+    # [Note: a step is a transaction]
+    # What a training step changes becomes visible together or not at all: the parameters and the optimizer's
+    # state (the tiers commit them at the end of the step: an nvme tier's failed generation is never read), the
+    # optimizer's counters (applied and skipped steps, the loss scale, an optax rule's host state), the model's
+    # non-parameter state (RNG counts, batch statistics) and the state of NNX objects passed in the batch. A step
+    # that raises (a full disk, an I/O error, the loss function, an interrupt) puts back what it had changed:
+    # retrying the same batch gives what an uninterrupted run gives, bit for bit. A Ctrl-C (SIGINT) that arrives
+    # during the optimizer's update in the main thread is held until the update has committed or failed, then
+    # raised: a cpu tier's state is updated in place, and an update stopped half-way could not be put back.
+    # train_steps yields every step that completed before it raises.
+
+    def _snapshot(self, batch: Any) -> tuple:
+        """What a step changes outside its tiers: the model's state, the batch's NNX state, the optimizer's counters."""
+        c = self.c
+        return (c.passes.state, batch, c.adapter.batch_state(batch), copy.deepcopy(c.optimizer.state_dict()))
+
+    def _roll_back(self, before: tuple) -> None:
+        state, batch, batch_state, counters = before
+        c = self.c
+        c.passes.replace_state(state)
+        if batch_state is not None:
+            c.adapter.update_batch(batch, batch_state)
+        c.optimizer.restore_state(counters)
+        if not c.life.closed:
+            c.passes.sink.clear()
 
     def steps(self, batches: Iterable[Any], loss: Loss) -> Iterator[dict[str, Any]]:
         """``Engine.train_steps``: the steps of ``batches``, each optimizer step overlapped with the next forward."""
@@ -92,26 +128,46 @@ class Stepper:
             if batch is _END:
                 return
             eng.life.check("train_steps", batch)
-            grads = self._forward_backward(batch, loss)
+            before = self._snapshot(batch)  # See [Note: a step is a transaction]
+            try:
+                grads = self._forward_backward(batch, loss)
+            except BaseException:
+                self._roll_back(before)
+                raise
             while True:
                 eng.gate.arm([NORM_DONE, *eng.optimizer.layouts])  # See [Note: write gate]
                 step = self._worker().submit(self._update, grads, clear=False)
+                nxt, failed, after = None, None, None
                 try:
                     batch = next(it, _END)
-                    nxt = None
                     if batch is not _END:
                         eng.life.check("train_steps", batch)
                         at_step = eng.passes.state  # the model state of step N, for the loop body
+                        after = (at_step, *self._snapshot(batch)[1:3])
                         nxt = self._forward_backward(batch, loss, after=self._grads_read)
                         nxt.state = eng.passes.replace_state(at_step)
-                finally:
+                except BaseException as e:  # the next batch's forward failed: step N still completes and is yielded
+                    failed = e
+                try:
                     m = step.result()  # an optimizer error surfaces here, after the forward stopped
+                except BaseException:
+                    self._roll_back(before)  # step N undone, and the next batch's forward with it
+                    if after is not None and after[2] is not None:
+                        eng.adapter.update_batch(after[1], after[2])
+                    raise
+                if failed is not None:
+                    eng.passes.replace_state(after[0] if after is not None else eng.passes.state)
+                    if after is not None and after[2] is not None:
+                        eng.adapter.update_batch(after[1], after[2])
                 now = time.perf_counter()
                 m["step_time_s"], t_last = now - t_last, now
                 m["tokens_per_s"] = grads.tokens / m["step_time_s"]
                 yield m
+                if failed is not None:
+                    raise failed
                 if nxt is None:
                     return
+                before = (at_step, batch, after[2], copy.deepcopy(eng.optimizer.state_dict()))
                 eng.passes.replace_state(nxt.state)
                 grads = nxt
         finally:

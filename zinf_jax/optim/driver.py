@@ -251,9 +251,10 @@ class StreamedOptimizer(MultiShardWork, StateAccess):
         meta[METADATA_KEY] = self.state_dict()
         self.tier.commit(meta)
 
-    def restore_state(self) -> None:
-        """Reads the step count, skip count and loss scaler back from ``tier.metadata()`` (no-op if absent)."""
-        st = self.tier.metadata().get(METADATA_KEY)
+    def restore_state(self, st: dict[str, Any] | None = None) -> None:
+        """Reads the step count, skip count and loss scaler back from ``tier.metadata()`` (no-op if absent), or
+        from ``st`` (a :meth:`state_dict`: what a step that failed puts back)."""
+        st = self.tier.metadata().get(METADATA_KEY) if st is None else st
         if st is None:
             return
         self._count, self._skipped = int(st["count"]), int(st["skipped"])

@@ -3,8 +3,8 @@
 On the CPU backend a move between host and device memory is a no-op, so a CPU mesh cannot show whether an
 offloaded program is one an accelerator's compiler accepts, what it moves, and whether the moves overlap
 compute. XLA's compilers answer that without the hardware: the CUDA plugin compiles for a GPU described
-by :mod:`zinf_jax.xla.targets`, libtpu's compile-only client for a TPU topology. Both need their wheels
-(the ``gpu-compile`` and ``tpu-compile`` extras of zinf-jax).
+by :mod:`zinf_jax.xla.targets`, libtpu's compile-only client for a TPU topology. Both need their wheels at the
+installed jax's version (``scripts/setup_compilers.sh``).
 
 :func:`compile_programs` takes programs lowered on this machine for the target's platform
 (``engine.lower(batch, platforms=("cuda",))``), compiles them in a child process
@@ -87,14 +87,17 @@ class CompiledProgram:
 def available(t: Target | str) -> str | None:
     """``None`` if this machine can compile for ``t``, else what to install."""
     t = find_target(t) if isinstance(t, str) else t
+    import jax
+
+    v = jax.__version__
     if t.platform == "cuda":
         if importlib.util.find_spec("jax_plugins") is None or importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
-            return "the CUDA plugin: pip install 'zinf-jax[gpu-compile]' (jax-cuda12-plugin and -pjrt at the jax version)"
+            return f"the CUDA plugin: pip install jax-cuda12-plugin=={v} jax-cuda12-pjrt=={v} (scripts/setup_compilers.sh)"
         if importlib.util.find_spec("nvidia.cuda_nvcc") is None:
-            return "ptxas: pip install nvidia-cuda-nvcc-cu12"
+            return "ptxas: pip install nvidia-cuda-nvcc-cu12 (scripts/setup_compilers.sh)"
         return None
     if importlib.util.find_spec("libtpu") is None:
-        return "libtpu: pip install 'zinf-jax[tpu-compile]' (the libtpu jax[tpu] pins)"
+        return f"libtpu: pip install 'jax[tpu]=={v}' (scripts/setup_compilers.sh)"
     return None
 
 
