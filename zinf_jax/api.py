@@ -22,9 +22,10 @@ from jax.sharding import Mesh
 
 from zinf_jax.checkpoint import TrainingState, latest_step_dir, restore_into, save
 from zinf_jax.checkpoint.export import save_safetensors
+from zinf_jax.checkpoint.owner import Owner
 from zinf_jax.config import ZeroConfig
 from zinf_jax.engine.adapters import model_sharding_explained
-from zinf_jax.engine.batching import micro_batches, shard_batch
+from zinf_jax.engine.batching import check_batch, micro_batches, shard_batch
 from zinf_jax.engine.build import Components, build, close_quietly
 from zinf_jax.engine.stepping import Loss, Stepper
 from zinf_jax.engine.streamed import ParamLoss
@@ -54,6 +55,7 @@ class Engine:
         with no_mesh(), model_sharding_explained():
             self.components: Components = build(adapter, config=config, mesh=mesh, optimizer=optimizer, **build_kw)
         self._stepper = Stepper(self.components)
+        self._owner = Owner()  # the checkpoint directories this engine saves into (zinf_jax.checkpoint.owner)
         if inert := config.inert_settings():
             warnings.warn("zinf_jax: these settings are accepted for DeepSpeed compatibility but have no effect: "
                           + ", ".join(inert), UserWarning, stacklevel=3)
@@ -179,6 +181,7 @@ class Engine:
             argument: pass a loss that calls the model with it (``train=False``).
         """
         self._usable("eval_step", batch)
+        check_batch(batch)
         with self.components.model_mesh.running(), model_sharding_explained():
             batch = self.shard_batch(batch)
             glue = self.store.fetch(self.adapter.glue_paths)
@@ -295,15 +298,24 @@ class Engine:
         return self.adapter.model_state(host)
 
     def save(self, directory: str | os.PathLike, *, user_state: Mapping[str, Any] | None = None,
-             max_to_keep: int | None = None) -> Path:
+             max_to_keep: int | None = None, overwrite: bool = False) -> Path:
         """Saves the whole training state with orbax (atomic). See :mod:`zinf_jax.checkpoint`.
 
-        ``max_to_keep``: once this checkpoint is complete, delete the oldest ones so
-        that at most this many remain (never this one; ``None`` keeps all).
+        The engine holds ``directory`` from its first save there until :meth:`close`: another job's save there is
+        refused (:mod:`zinf_jax.checkpoint.owner`).
+
+        Args:
+          directory: the checkpoint directory (its ``step_<N>`` subdirectories).
+          user_state: JSON data stored with it (the data position...; default :attr:`user_state`).
+          max_to_keep: once this checkpoint is complete, delete the oldest ones so that at most this many
+            remain (never this one, nor a newer one; ``None`` keeps all).
+          overwrite: save although the directory holds a newer checkpoint (a run restored from an older step
+            going on); without it that is a :class:`CheckpointError`.
         """
         self._usable("save")
         with no_mesh():
-            return save(TrainingState(self.components), directory, user_state=user_state, max_to_keep=max_to_keep)
+            return save(TrainingState(self.components), directory, user_state=user_state, max_to_keep=max_to_keep,
+                        owner=self._owner, overwrite=overwrite)
 
     def save_safetensors(self, directory: str | os.PathLike, *, rename: Callable | None = None,
                          dtype: str | None = None, max_shard_bytes: int = 5 << 30) -> list[Path]:
@@ -332,13 +344,14 @@ class Engine:
         self.components.life.check(what, batch)
 
     def close(self) -> None:
-        """Finishes I/O and releases the tiers (and their directory locks), all of them even if one fails.
+        """Finishes I/O and releases the tiers and checkpoint directories (their locks), all of them even if one fails.
 
         Idempotent; every later call but ``close`` raises :class:`EngineError`.
         """
         c = self.components
         if not c.life.close():
             return
+        self._owner.release()
         self._stepper.close()
         try:
             c.passes.close()

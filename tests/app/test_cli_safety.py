@@ -319,3 +319,34 @@ def test_ctrl_c_at_any_moment_of_startup_exits_cleanly(tmp_path, delay):
     assert lines[-1].startswith(outcomes), lines
     if lines[-1].startswith("zinf-jax train:"):  # nothing trained: nothing saved, no tier state left behind
         assert not list((run / "ckpt").glob("step_*")) and not (run / "nvme" / "params").exists()
+
+
+def test_a_run_killed_before_its_first_checkpoint_names_one_way_on(tmp_path, capsys):
+    """SIGKILL after the first step, before any checkpoint: the tier state is there, no checkpoint. A rerun and a
+    --resume both name --overwrite (there is nothing to resume from), and --overwrite trains."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "zinf_jax.app.cli", "train", "--run-dir", str(run), *TINY,
+                             "--steps", "1000", "--save-every", "1000"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=job_env(jax_cache=True))
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not ((run / "metrics.jsonl").exists()
+                                                   and (run / "metrics.jsonl").read_text().strip()):
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
+    assert not list((run / "ckpt").glob("step_*")) if (run / "ckpt").exists() else True
+    assert _train(run, "--steps", "2") == 2
+    plain = capsys.readouterr().err
+    assert _train(run, "--steps", "2", "--resume") != 0
+    resumed = capsys.readouterr().err
+    for err in (plain, resumed):
+        assert "--overwrite" in err and "first checkpoint" in err, err
+    assert "pass --resume" not in plain  # not sent to --resume, which cannot continue it
+    assert _train(run, "--steps", "2", "--overwrite") == 0

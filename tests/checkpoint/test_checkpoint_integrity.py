@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 import zinf_jax as zinf
+from zinf_jax.checkpoint.format import OWNER
 import zinf_jax.checkpoint as ckpt_mod
 from zinf_jax.checkpoint import CheckpointError, read_meta
 from zinf_jax.models import GPT, GPTConfig, batch_at, corpus, lm_loss
@@ -143,6 +144,9 @@ def test_saving_a_saved_step_again_needs_the_same_state(tmp_path):
         step(twin)
         step(other)
         assert twin.save(ckpt, user_state={"data_step": 1}) == step_dir  # compared array by array: the same
+        with pytest.raises(CheckpointError, match=r"is held by pid \d+ on .*one job saves into a checkpoint"):
+            other.save(ckpt, user_state={"data_step": 1})  # twin holds the directory until it closes
+        twin.close()
         with pytest.raises(CheckpointError, match=rf"'{re.escape(str(step_dir))}' already exists and holds another "
                                                   r"training state \('master' of '.*' differs\)"):
             other.save(ckpt, user_state={"data_step": 1})
@@ -196,7 +200,7 @@ def test_disk_full_is_one_error_and_leaves_nothing(tmp_path, capfd):
                     as info:
                 eng.save(full / "ckpt")
             assert info.value.__cause__ is not None
-            assert os.listdir(full / "ckpt") == []  # the temporary directory is removed: the space is free again
+            assert os.listdir(full / "ckpt") == [OWNER]  # the temporary directory is removed: the space is free again
             del info
             import gc
 
@@ -244,11 +248,11 @@ def test_a_failed_delete_is_a_warning_and_loses_nothing(tmp_path, monkeypatch):
         monkeypatch.setattr(os, "rename", lambda *a: (_ for _ in ()).throw(PermissionError("ro")))
         with pytest.warns(RuntimeWarning, match="max_to_keep=1"):  # the step is saved: only the policy runs
             assert eng.save(ckpt, max_to_keep=1).name == "step_00000003"
-        assert sorted(p.name for p in ckpt.iterdir()) == ["step_00000001", "step_00000002", "step_00000003"]
+        assert sorted(p.name for p in ckpt.iterdir()) == [OWNER, "step_00000001", "step_00000002", "step_00000003"]
         monkeypatch.undo()
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             eng.save(ckpt, max_to_keep=1)
-        assert sorted(p.name for p in ckpt.iterdir()) == ["step_00000003"]
+        assert sorted(p.name for p in ckpt.iterdir()) == [OWNER, "step_00000003"]
     finally:
         eng.close()

@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 import zinf_jax as zinf
+from zinf_jax.checkpoint.format import OWNER
 import zinf_jax.checkpoint
 from zinf_jax.app.cli import main
 from zinf_jax.models import GPT, GPTConfig, batch_at, corpus, lm_loss
@@ -29,7 +30,7 @@ def step(eng):
 
 
 def names(ckpt):
-    return sorted(p.name for p in ckpt.iterdir())
+    return sorted(p.name for p in ckpt.iterdir() if p.name != OWNER)  # the saving job's lock file aside
 
 
 def test_keeps_the_newest_n_and_restores_from_the_newest(tmp_path):
@@ -50,16 +51,24 @@ def test_keeps_the_newest_n_and_restores_from_the_newest(tmp_path):
     try:
         assert again.step == 5 and again.user_state == {"data_step": 5}
         assert _bytes(again) == params
-        # the checkpoint just written is never the one deleted, even with a newer one there;
-        # incomplete step dirs are not checkpoints and are left alone; a crash's .del_* leftovers go
+        # a newer checkpoint there (another run's step 99): saving an older step is refused unless asked for, and
+        # then retention deletes only the past of the step just written, never the newer one; incomplete step
+        # dirs are not checkpoints and are left alone; a crash's .del_* leftovers go
         fake = ckpt / "step_00000099"
         fake.mkdir()
         (fake / "zinf_meta.json").write_text("{}")
         (ckpt / "step_00000098").mkdir()  # no zinf_meta.json
         (ckpt / ".del_step_00000001_deadbeef" / "group_0000").mkdir(parents=True)
         step(again)
-        again.save(ckpt, max_to_keep=2)
-        assert names(ckpt) == ["step_00000006", "step_00000098", "step_00000099"]
+        with pytest.raises(zinf.CheckpointError, match=r"holds a newer checkpoint \(step 99\) than this one \(step 6\)"):
+            again.save(ckpt, max_to_keep=2)
+        assert names(ckpt) == [".del_step_00000001_deadbeef", "step_00000005", "step_00000098",
+                               "step_00000099"]  # nothing written, nothing gone
+        again.save(ckpt, max_to_keep=2, overwrite=True)
+        assert names(ckpt) == ["step_00000005", "step_00000006", "step_00000098", "step_00000099"]
+        step(again)
+        again.save(ckpt, max_to_keep=2, overwrite=True)  # step 7: its past beyond one more (step 5) goes
+        assert names(ckpt) == ["step_00000006", "step_00000007", "step_00000098", "step_00000099"]
     finally:
         again.close()
 

@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 import zinf_jax as zinf
+from zinf_jax.checkpoint.format import OWNER
 from helpers.procs import WORKERS, free_port, job_env, last_json, start
 from zinf_jax.models import GPT, GPTConfig, batch_at, corpus, lm_loss
 from zinf_jax.checkpoint.state import TrainingState
@@ -58,7 +59,7 @@ def test_two_processes_save_and_restore(tmp_path):
     ckpt = tmp_path / "ckpt"
     outs = last_json(_start(ckpt, "save"))
     step_dir = ckpt / "step_00000001"
-    assert sorted(p.name for p in ckpt.iterdir()) == ["step_00000001"]  # no .tmp_* left, one step dir
+    assert sorted(p.name for p in ckpt.iterdir()) == [OWNER, "step_00000001"]  # no .tmp_* left, one step dir
     # every process wrote its own shards into the same group directories; one table of checksums
     assert {p.name for p in (step_dir / "group_0000").glob("ocdbt.process_*")} == {"ocdbt.process_0",
                                                                                    "ocdbt.process_1"}
@@ -97,7 +98,7 @@ def test_sigkill_of_one_process_mid_save_keeps_the_previous_checkpoint(tmp_path)
         printed = [p.communicate(timeout=60)[0] for p in procs]
     assert procs[0].returncode != 0 and not any('"saved_2"' in out for out in printed)
     before = [json.loads(next(ln for ln in out.splitlines() if ln.startswith('{"process"'))) for out in printed]
-    names = sorted(p.name for p in ckpt.iterdir())  # nothing of step 2 but maybe its hidden temporary dir
+    names = sorted(p.name for p in ckpt.iterdir() if p.name != OWNER)  # nothing of step 2 but maybe its hidden tmp
     assert names[-1] == "step_00000001" and all(n.startswith(".tmp_step_00000002_") for n in names[:-1])
     assert not (ckpt / "step_00000002").exists()
 

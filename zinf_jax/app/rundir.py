@@ -15,13 +15,13 @@ uses the standard library:
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
 from pathlib import Path
 from typing import Iterable
 
+from zinf_jax._internal import locks
 from zinf_jax.checkpoint import format as fmt
 from zinf_jax.errors import RunDirError
 from zinf_jax.plan.placement import TIER_SUBDIRS
@@ -30,11 +30,6 @@ __all__ = ["RunDirError", "RunLock", "check_reuse", "clear_tier_state", "remove_
            "TIER_SUBDIRS"]
 
 LOCK = ".lock"
-
-
-def _holder(f) -> str:
-    f.seek(0)
-    return f.read().strip() or "another process"
 
 
 class RunLock:
@@ -50,26 +45,13 @@ class RunLock:
 
     def __init__(self, run_dir: Path, name: str = LOCK):
         self.path = Path(run_dir) / name
-        self._f = open(self.path, "a+")
-        try:
-            fcntl.flock(self._f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _holder(self._f)
-            self._f.close()
-            raise RunDirError(f"run dir {str(run_dir)!r} is in use by {holder} (it holds {str(self.path)!r}); "
-                              "wait for that run to finish, stop it, or use another --run-dir") from None
-        self._f.seek(0)
-        self._f.truncate()
-        self._f.write(f"pid {os.getpid()}\n")
-        self._f.flush()
+        self._f = locks.take(self.path, lambda holder: RunDirError(
+            f"run dir {str(run_dir)!r} is in use by {holder} (it holds {str(self.path)!r}); wait for that run to "
+            "finish, stop it, or use another --run-dir"))
 
     def close(self) -> None:
         """Releases the lock (idempotent)."""
-        if not self._f.closed:
-            self._f.seek(0)
-            self._f.truncate()
-            fcntl.flock(self._f, fcntl.LOCK_UN)
-            self._f.close()
+        locks.release(self._f)
 
     def __enter__(self) -> RunLock:
         return self
@@ -108,13 +90,9 @@ def _half_updated(tier_dir: Path) -> bool:
 def _check_unlocked(tier_dir: Path) -> None:
     """Refuses to touch a tier directory (or one process's part of it) whose lock another process holds."""
     for lock in [*tier_dir.glob("process_*/LOCK"), *[tier_dir / "LOCK"] * (tier_dir / "LOCK").is_file()]:
-        with open(lock, "a+") as f:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise RunDirError(f"tier state {str(tier_dir)!r} is in use by {_holder(f)}; stop that job or use "
-                                  "another offload path") from None
-            fcntl.flock(f, fcntl.LOCK_UN)
+        f = locks.take(lock, lambda holder: RunDirError(f"tier state {str(tier_dir)!r} is in use by {holder}; stop "
+                                                        "that job or use another offload path"))
+        locks.release(f)
 
 
 def clear_tier_state(nvme_paths: Iterable[str], process: int | None = None) -> list[Path]:
@@ -167,6 +145,10 @@ def check_reuse(run_dir: Path, nvme_paths: list[str], *, resume: bool, overwrite
         return []
     if not overwrite:
         shown = ", ".join(old[:3]) + (f" and {len(old) - 3} more" if len(old) > 3 else "")
+        if not step_dirs(ckpt):  # a run stopped before its first checkpoint: nothing to resume from
+            raise RunDirError(f"run dir {str(run_dir)!r} holds the tier state of a run that stopped before its first "
+                              f"checkpoint ({shown}): there is nothing to resume from. Pass --overwrite to delete it "
+                              "and start over")
         half = [str(d) for d in _tier_dirs(nvme_paths) if _half_updated(d)]
         why = (f"; its tier state {', '.join(half)} is half-updated (a step was in progress when the run stopped) "
                "and cannot be trained on: --resume rebuilds it from the newest checkpoint") if half else ""

@@ -223,8 +223,9 @@ def _restore_newest_good(ckpt: Path, args: TrainArgs, config: ZeroConfig, out: T
     """
     dirs = rundir.step_dirs(ckpt)
     if not dirs:
-        raise CheckpointError(f"no zinf_jax checkpoint in {str(ckpt)!r} (expected step_<N>/{META}) to --resume from; "
-                              "start without --resume")
+        raise CheckpointError(f"no zinf_jax checkpoint in {str(ckpt)!r} (expected step_<N>/{META}) to --resume from "
+                              "(a run that stopped before its first checkpoint leaves none): pass --overwrite instead of "
+                              "--resume to delete what it left and start over")
     ctor, kw = _engine_kwargs(args, config)
     bad: list[tuple[Path, str]] = []
     for d in dirs:

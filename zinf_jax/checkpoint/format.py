@@ -11,6 +11,7 @@ A checkpoint root (``<run_dir>/ckpt``, or any ``engine.save`` directory) holds::
     .tmp_step_<N>_<token>/     a save in progress (renamed to step_<N> when complete)
     .del_step_<N>_<id>/        a checkpoint being deleted by retention (renamed out first)
     .bad_step_<N>_<id>/        a damaged checkpoint set aside (kept for inspection)
+    .zinf_owner                OWNER: the lock a live job holds while it saves here (naming it)
 
 Every name a save, a restore, retention, the main job's run directory or ``zinf-jax inspect``
 uses comes from here. Standard library only.
@@ -22,7 +23,7 @@ import re
 import uuid
 from pathlib import Path
 
-__all__ = ["META", "CHECKSUMS", "PARTIAL", "RNG", "FORMAT", "FORMATS", "TMP", "DOOMED", "BAD", "step_name",
+__all__ = ["META", "CHECKSUMS", "PARTIAL", "RNG", "FORMAT", "FORMATS", "TMP", "DOOMED", "BAD", "OWNER", "step_name",
            "group_name", "temp_name", "step_of", "is_complete", "list_steps", "set_aside", "leftovers"]
 
 FORMAT = "zinf_jax.checkpoint/2"
@@ -43,6 +44,8 @@ DOOMED = ".del_"
 """Prefix of a step directory being deleted (hidden, and not ``step_*``)."""
 BAD = ".bad_"
 """Prefix of a damaged step directory set aside."""
+OWNER = ".zinf_owner"
+"""The lock file of a checkpoint root: held by the job that saves there (see :mod:`zinf_jax.checkpoint.owner`)."""
 
 _STEP_DIR = re.compile(r"step_(\d+)")
 

@@ -39,9 +39,13 @@ def check_max_to_keep(max_to_keep: Any) -> None:
 def doomed_steps(root: Path, keep: Path, max_to_keep: int) -> list[Path]:
     """The complete checkpoints to delete so that at most ``max_to_keep`` remain, ``keep`` among them.
 
-    ``keep`` is always kept, and the newest ``max_to_keep - 1`` of the others with it.
+    ``keep`` is always kept, and the newest ``max_to_keep - 1`` of the others with it. A checkpoint newer than
+    ``keep`` is never deleted (a save of an older step, asked for with ``overwrite=True``): retention only ever
+    removes the past of the step just saved, as orbax's CheckpointManager, which never saves a step at or below
+    its latest.
     """
-    others = [(n, p) for n, p in fmt.list_steps(root) if p.name != keep.name]
+    mine = fmt.step_of(keep.name)
+    others = [(n, p) for n, p in fmt.list_steps(root) if p.name != keep.name and (mine is None or n < mine)]
     infos = [StepInfo(step=n, time=datetime.datetime.fromtimestamp((p / fmt.META).stat().st_mtime)) for n, p in others]
     policy = ocp.checkpoint_managers.LatestN(n=max_to_keep - 1)
     preserve = policy.should_preserve(infos, context=ocp.checkpoint_managers.PreservationContext())

@@ -54,6 +54,7 @@ from zinf_jax._internal.multihost import Procs
 from zinf_jax.checkpoint import format as fmt
 from zinf_jax.checkpoint.failures import orbax_noise_held, write_error
 from zinf_jax.checkpoint.integrity import write_checksums
+from zinf_jax.checkpoint.owner import Owner
 from zinf_jax.checkpoint.restore import first_difference, read_meta
 from zinf_jax.checkpoint.retention import apply_retention, check_max_to_keep, remove_doomed_leftovers
 from zinf_jax.checkpoint.state import TrainingState, is_known, remember
@@ -82,7 +83,7 @@ def _write_arrays(view: TrainingState, tmp: Path) -> None:
 
 
 def save(view: TrainingState, directory: str | os.PathLike, *, user_state: Mapping[str, Any] | None = None,
-         max_to_keep: int | None = None) -> Path:
+         max_to_keep: int | None = None, owner: Owner | None = None, overwrite: bool = False) -> Path:
     """Writes ``<directory>/step_<N>`` for the engine's current step (see module doc).
 
     Every process of a multi-process job calls it, with the same ``directory``.
@@ -94,7 +95,11 @@ def save(view: TrainingState, directory: str | os.PathLike, *, user_state: Mappi
         default ``engine.user_state``, which then becomes this (as a restore sets it).
       max_to_keep: once the new checkpoint is complete, delete the oldest complete
         ``step_*`` checkpoints so that at most this many remain (the new one is
-        never deleted; nothing is deleted if the save fails). ``None`` keeps all.
+        never deleted, nor one newer than it; nothing is deleted if the save fails). ``None`` keeps all.
+      owner: the directories the engine holds (:mod:`zinf_jax.checkpoint.owner`): process 0 takes this one's lock.
+      overwrite: save even if the directory holds a newer complete checkpoint (a run restored from an older
+        step going on); without it that is an error, as orbax's CheckpointManager refuses a step at or below its
+        latest.
 
     Returns:
       The step directory.
@@ -102,8 +107,9 @@ def save(view: TrainingState, directory: str | os.PathLike, *, user_state: Mappi
     Raises:
       ValueError: ``max_to_keep`` is not a positive int or None.
       TypeError: ``user_state`` is not JSON data (before anything is written).
-      CheckpointError: ``step_<N>`` exists and holds another state; the disk is
-        full or another I/O error (the temporary directory is removed first).
+      CheckpointError: ``step_<N>`` exists and holds another state; a newer step is there (and not
+        ``overwrite``); another job holds the directory; the disk is full or another I/O error (the temporary
+        directory is removed first).
     """
     check_max_to_keep(max_to_keep)
     root = Path(directory).absolute()  # orbax wants absolute paths
@@ -117,6 +123,14 @@ def save(view: TrainingState, directory: str | os.PathLike, *, user_state: Mappi
     procs = Procs(f"zinf_save:{final}")
     if procs.primary:
         root.mkdir(parents=True, exist_ok=True)
+        if owner is not None:
+            owner.hold(root)  # See zinf_jax.checkpoint.owner
+        newer = [n for n, _ in fmt.list_steps(root) if n > view.step]
+        if newer and not overwrite:
+            raise CheckpointError(
+                f"{str(root)!r} holds a newer checkpoint (step {max(newer)}) than this one (step {view.step}): a run "
+                "restored from an older step is going on. Save with overwrite=True to keep both (retention never "
+                "deletes the newer ones), or save into another directory")
         remove_doomed_leftovers(root)
     token = f"{procs.gather(int.from_bytes(os.urandom(4), 'little') >> 1)[0]:08x}"  # process 0's
     meta["save_id"] = token

@@ -23,12 +23,32 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zinf_jax.plan.partition import batch_axes_of, batch_spec
 
-__all__ = ["micro_batches", "shard_batch"]
+__all__ = ["micro_batches", "shard_batch", "check_batch"]
 
 
 def _batch_axis(x: Any) -> bool:
     return (not nnx.graph.is_graph_node(x) and getattr(x, "ndim", 0) >= 1
             and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key))
+
+
+def check_batch(batch: Any) -> None:
+    """Refuses a batch that would train nothing, before anything moves.
+
+    Raises:
+      ValueError: the batch holds no array, or an array with a zero-length axis (0 rows, or an empty sequence the
+        loss would average over: a NaN loss and zero gradients, which the non-finite skip does not catch, while
+        momentum and weight decay would still move every parameter).
+    """
+    leaves = [x for x in jax.tree.leaves(batch, is_leaf=nnx.graph.is_graph_node) if hasattr(x, "shape")]
+    if not leaves:
+        raise ValueError("the batch holds no array: pass the step's inputs (arrays with a leading batch axis)")
+    for path, x in jax.tree_util.tree_flatten_with_path(batch, is_leaf=nnx.graph.is_graph_node)[0]:
+        if hasattr(x, "shape") and not nnx.graph.is_graph_node(x) and 0 in tuple(x.shape):
+            where = jax.tree_util.keystr(path) or "the batch"
+            raise ValueError(f"batch leaf {where} has shape {tuple(x.shape)}, an empty axis: a step on it would "
+                             "average over no examples (a NaN loss) and still apply momentum and weight decay. "
+                             "Skip empty batches in the loop that makes them (the last partial batch of an "
+                             "epoch, a filter that dropped every example)")
 
 
 def micro_batches(batch: Any, k: int) -> list[Any]:
@@ -101,6 +121,8 @@ def shard_batch(batch: Any, mesh: Mesh, model_axes: Collection[str] = ()) -> Any
         if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):  # a dropout key: every device
             return jax.device_put(x, NamedSharding(mesh, P()))
         x = np.asarray(x)
+        if x.ndim == 0:  # a scalar (a step counter, a temperature): every device has it
+            return jax.make_array_from_process_local_data(NamedSharding(mesh, P()), x)
         if x.ndim and x.shape[0] % parts:
             where = jax.tree_util.keystr(path) or "the batch"
             hint = (" It looks like a raw PRNG key (uint32[2], e.g. jax.random.PRNGKey(...) or fold_in of one): "

@@ -109,11 +109,12 @@ def close_quietly(closable: Any) -> None:
         closable.close()
 
 
-def _open(where: TierPlacement, config: ZeroConfig, device_of: Callable[[int], jax.Device]) -> Tier:
+def _open(where: TierPlacement, config: ZeroConfig, device_of: Callable[[int], jax.Device],
+          rebuild: bool = False) -> Tier:
     return open_tier(where.device, path=where.path, subdir=where.subdir, host_memory=where.host_memory,
                      direct_io=where.direct_io, update=where.update.value, placement=device_of,
                      max_in_flight_bytes=config.max_in_flight_bytes, chunk_bytes=where.chunk_bytes,
-                     threads=config.aio.intra_op_parallelism)
+                     threads=config.aio.intra_op_parallelism, rebuild=rebuild)
 
 
 def build(adapter: Any, *, config: ZeroConfig, mesh: Mesh, optimizer: Any, init: str = "fresh", track_live_arrays: bool = False, param_loss: ParamLoss | None = None,
@@ -180,9 +181,10 @@ def build(adapter: Any, *, config: ZeroConfig, mesh: Mesh, optimizer: Any, init:
                                 compute_dtype=compute_dtype, fused=fused), jax.devices()[0].platform)
 
     with contextlib.ExitStack() as undo:
-        param_tier = _open(where.params, config, device_of)
+        rebuild = init == "none"  # a restore writes every key: a tier a crash left half-updated is rebuilt
+        param_tier = _open(where.params, config, device_of, rebuild)
         undo.callback(close_quietly, param_tier)
-        opt_tier = _open(where.optimizer, config, device_of)
+        opt_tier = _open(where.optimizer, config, device_of, rebuild)
         undo.callback(close_quietly, opt_tier)
         grad_tier = None if where.grads is None else _open(where.grads, config, device_of)  # [Note: scratch gradients]
         undo.callback(close_quietly, grad_tier)

@@ -22,7 +22,7 @@ from flax import nnx
 from jax.profiler import TraceAnnotation
 
 from zinf_jax.engine.adapters import model_sharding_explained
-from zinf_jax.engine.batching import micro_batches, shard_batch
+from zinf_jax.engine.batching import check_batch, micro_batches, shard_batch
 from zinf_jax._internal.interrupts import deferred_interrupts
 from zinf_jax.engine.grads import host_copy
 from zinf_jax.errors import EngineError
@@ -211,7 +211,8 @@ class Stepper:
         t0 = time.perf_counter()
         waits = eng.passes.fetch_wait_s, self._grads_out_s()
         k = eng.config.gradient_accumulation_steps
-        parts = micro_batches(batch, k)  # before any state changes: a batch that does not split is refused
+        check_batch(batch)  # before any state changes: an empty batch is refused,
+        parts = micro_batches(batch, k)  # and one that does not split
         # an optimizer step in flight: its norm all-reduce (a collective, across processes) goes first
         eng.gate.wait([NORM_DONE, *eng.adapter.glue_paths])  # See [Note: write gate]
         glue = eng.store.fetch(eng.adapter.glue_paths)

@@ -103,6 +103,8 @@ class NvmeTier:
         neither (benchmarks only): shards it commits are read unverified.
       update: ``"double_slot"``, ``"in_place"`` or ``"scratch"``, or the :class:`~zinf_jax.plan.placement.UpdateMode`
         member (see the module doc); default :data:`~zinf_jax.config.zero.NVME_UPDATE`.
+      rebuild: the caller writes every key anew (a restore from a checkpoint): a directory a crash left
+        half-updated is cleared instead of refused (the checkpoint is the truth, the tier a cache of it).
 
     Attributes:
       update: the :class:`~zinf_jax.plan.placement.UpdateMode` it applies steps in.
@@ -132,6 +134,7 @@ class NvmeTier:
         pack_below_bytes: int = PACK_BELOW_BYTES,
         checksums: bool = True,
         update: str | UpdateMode = NVME_UPDATE,
+        rebuild: bool = False,
     ):
         if sync not in (True, False, "write", "commit"):  # before the lock is taken
             raise ValueError(f"nvme tier sync must be 'commit', 'write' (True) or False, got {sync!r}")
@@ -147,7 +150,8 @@ class NvmeTier:
 
             process_index = jax.process_index()
         # a half-updated directory is refused here: see [Note: half-updated tier]
-        self.dir, self._lockf, state = open_process_dir(Path(path), process_index, durable=mode.durable)
+        self.dir, self._lockf, state = open_process_dir(Path(path), process_index, durable=mode.durable,
+                                                        rebuild=rebuild)
         self.update = mode
         self._state = Generation.CLEAN
         self._generation, self._meta, self._slot = state.generation, state.metadata, state.slot

@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import errno
-import fcntl
 import json
 import math
 import os
@@ -38,6 +37,7 @@ from typing import IO, Any, Mapping, Sequence
 
 import numpy as np
 
+from zinf_jax._internal import locks
 from zinf_jax._internal.fs import replace_json
 from zinf_jax.tiers.base import ShardSpec, TierDataError, TierError
 from zinf_jax.tiers.checksum import ALGORITHM
@@ -238,9 +238,8 @@ def half_updated(process_dir: Path, in_progress: Mapping[str, Any]) -> TierDataE
         f"nvme tier: {str(process_dir)!r} is half-updated: an in-place update of generation "
         f"{in_progress.get('generation')} (metadata {in_progress.get('metadata', {})}) was in progress when its "
         "process stopped, so its shards mix two steps and cannot be trained on. Rebuild it from the newest "
-        "checkpoint: `zinf-jax train --resume` does so, or delete the directory (use an empty offload path) and "
-        "zinf_jax.restore(...) from a checkpoint. (ZeroConfig(nvme_update='double_slot') keeps every step durable "
-        "at twice the disk.)"
+        "checkpoint: zinf_jax.restore(checkpoint, ...) with this offload path does so (as `zinf-jax train --resume` "
+        "does). (ZeroConfig(nvme_update='double_slot') keeps every step durable at twice the disk.)"
     )
 
 
@@ -250,38 +249,33 @@ def write_manifest(process_dir: Path, manifest: Mapping[str, Any]) -> None:
 
 
 def lock_dir(process_dir: Path) -> IO[str]:
-    """Takes the exclusive lock of a process directory; the open LOCK file (holding our pid) keeps it.
+    """Takes the exclusive lock of a process directory; the open LOCK file (naming us) keeps it.
 
     Raises:
       TierError: another process or tier holds it (the message names the holder's pid).
     """
-    f = open(process_dir / "LOCK", "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "another process"
-        f.close()
-        raise TierError(
-            f"nvme tier: {str(process_dir)!r} is locked by {holder}; another job is using this directory. "
-            "Stop it or give this job its own offload path."
-        ) from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"pid {os.getpid()}\n")
-    f.flush()
-    return f
+    return locks.take(process_dir / "LOCK", lambda holder: TierError(
+        f"nvme tier: {str(process_dir)!r} is locked by {holder}; another job is using this directory. "
+        "Stop it or give this job its own offload path."))
 
 
 def unlock(f: IO[str]) -> None:
     """Releases a lock taken by :func:`lock_dir`."""
-    fcntl.flock(f, fcntl.LOCK_UN)
-    f.close()
+    locks.release(f)
 
 
-def open_process_dir(root: Path, process_index: int, *, durable: bool) -> tuple[Path, IO[str], Committed]:
+def _clear(process_dir: Path) -> None:
+    """Deletes a process directory's state (its manifest first: a crash half-way leaves an empty directory)."""
+    (process_dir / MANIFEST).unlink(missing_ok=True)
+    shutil.rmtree(process_dir / "data", ignore_errors=True)
+    shutil.rmtree(process_dir / PACKS, ignore_errors=True)
+
+
+def open_process_dir(root: Path, process_index: int, *, durable: bool,
+                     rebuild: bool = False) -> tuple[Path, IO[str], Committed]:
     """Opens one process's directory ``<root>/process_<i>`` (made if missing) for a tier: ``(directory, its lock,
-    the committed state)``. Not ``durable`` (scratch): whatever an earlier run left is deleted first.
+    the committed state)``. Not ``durable`` (scratch): whatever an earlier run left is deleted first. ``rebuild``
+    (a restore, which writes every key from a checkpoint): a half-updated directory is cleared, not refused.
 
     Raises:
       TierError: ``root`` is not a usable directory, or another job holds the lock.
@@ -293,10 +287,11 @@ def open_process_dir(root: Path, process_index: int, *, durable: bool) -> tuple[
     lock = lock_dir(process_dir)
     try:
         if not durable:  # nothing in it outlives the process that wrote it
-            (process_dir / MANIFEST).unlink(missing_ok=True)
-            shutil.rmtree(process_dir / "data", ignore_errors=True)
-            shutil.rmtree(process_dir / PACKS, ignore_errors=True)
+            _clear(process_dir)
         state = load_manifest(process_dir)
+        if state.in_progress is not None and (state.generation == 0 or rebuild):
+            _clear(process_dir)  # an initialisation that never committed, or a restore to come: it opens empty
+            state = load_manifest(process_dir)
         if state.in_progress is not None:  # See [Note: half-updated tier] in zinf_jax.tiers.nvme
             raise half_updated(process_dir, state.in_progress)
     except TierError:
@@ -312,9 +307,9 @@ def io_error(e: BaseException, what: str, where: str, process_dir: Path, generat
     file = getattr(e, "filename", None) or file
     where += "" if file is None else f" (file {str(file)!r})"
     if "No space left" in msg or "ENOSPC" in msg or getattr(e, "errno", None) == errno.ENOSPC:
-        return TierError(
-            f"nvme tier: disk full while {what} {where} under {str(process_dir)!r}. The committed state (generation "
-            f"{generation}) is intact and the failed generation's files are deleted when the tier is committed or "
-            "closed; free space or use a larger disk for the offload path."
-        )
+        kept = (f"The committed state (generation {generation}) is intact and the failed generation's files are "
+                "deleted when the tier is committed or closed" if generation else
+                "Nothing was committed yet (the tier was being initialised): the directory opens empty again")
+        return TierError(f"nvme tier: disk full while {what} {where} under {str(process_dir)!r}. {kept}; free space "
+                         "or use a larger disk for the offload path.")
     return TierError(f"nvme tier: {what} {where} under {str(process_dir)!r} failed: {msg}")

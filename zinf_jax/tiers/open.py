@@ -27,6 +27,7 @@ def open_tier(
     update: str | UpdateMode = NVME_UPDATE,
     chunk_bytes: int | None = None,
     threads: int | None = None,
+    rebuild: bool = False,
 ) -> Tier:
     """Opens the tier an offload setting names.
 
@@ -44,6 +45,7 @@ def open_tier(
         ``ZeroConfig.nvme_update``'s).
       chunk_bytes: nvme chunk file size (``None``: the tier's default).
       threads: nvme threads reading and writing chunk files (``None``: the tier's default).
+      rebuild: every key is written anew (a restore): a half-updated nvme directory is cleared, not refused.
 
     Raises:
       ValueError: unknown device, missing path, or an unknown nvme ``update``.
@@ -66,5 +68,6 @@ def open_tier(
             os.makedirs(root, exist_ok=True)
         io = {k: v for k, v in (("chunk_bytes", chunk_bytes), ("read_threads", threads), ("write_threads", threads))
               if v is not None}
-        return NvmeTier(root, max_in_flight_bytes=max_in_flight_bytes, direct_io=direct_io, update=update, **io)
+        return NvmeTier(root, max_in_flight_bytes=max_in_flight_bytes, direct_io=direct_io, update=update,
+                        rebuild=rebuild, **io)
     raise ValueError(f"offload device must be 'none', 'cpu' or 'nvme', got {device!r}")
