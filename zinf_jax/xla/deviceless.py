@@ -109,6 +109,9 @@ def _env(t: Target) -> dict[str, str]:
         env["TPU_WORKER_HOSTNAMES"] = "localhost"
         env["LIBTPU_INIT_ARGS"] = "--logtostderr"  # never log files without bound
         env["TPU_SKIP_MDS_QUERY"] = "1"
+        # The compile-only client holds no chip, so compiles may run side by side (pytest workers): without
+        # this, libtpu's single-process lock (/tmp/libtpu_lockfile) aborts every process but the first.
+        env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
     return env
 
 
