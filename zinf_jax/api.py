@@ -27,6 +27,7 @@ from zinf_jax.config import ZeroConfig
 from zinf_jax.engine.adapters import model_sharding_explained
 from zinf_jax.engine.batching import check_batch, micro_batches, shard_batch
 from zinf_jax.engine.build import Components, build, close_quietly
+from zinf_jax.engine.opt_state import optimizer_state, rule_of
 from zinf_jax.engine.stepping import Loss, Stepper
 from zinf_jax.engine.streamed import ParamLoss
 from zinf_jax.engine.wrap import make_adapter
@@ -296,6 +297,37 @@ class Engine:
         host = jax.tree.map(lambda x: x if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else np.asarray(x),
                             self.passes.state)
         return self.adapter.model_state(host)
+
+    # --- the optimizer, as optax users read and set it ------------------------------------
+    @property
+    def hyperparams(self) -> dict[str, float]:
+        """The optimizer's ``optax.inject_hyperparams`` hyperparameters by name (``{"learning_rate": 0.001, ...}``).
+        See :mod:`zinf_jax.engine.opt_state`."""
+        self._usable("hyperparams")
+        return rule_of(self.components, "hyperparams").hyperparams()
+
+    def set_hyperparams(self, **values: float) -> None:
+        """Sets ``optax.inject_hyperparams`` hyperparameters (``engine.set_hyperparams(learning_rate=1e-4)``); they
+        take effect at the next step, in every placement, and are saved with checkpoints (the plain-optax
+        ``opt_state.hyperparams['learning_rate'] = x``).
+
+        Raises:
+          ConfigError: the optimizer injects no such hyperparameter, it follows a schedule, or the optimizer is
+            zinf's own Adam.
+        """
+        self._usable("set_hyperparams")
+        rule_of(self.components, "set_hyperparams").set_hyperparams(**values)
+
+    def optimizer_state(self, path: str | None = None) -> Any:
+        """The optax state as a plain optax loop holds it: of the whole model (the structure ``tx.init(params)``
+        gives for :meth:`params`), or of one parameter (``path``: a one-leaf tree's state, read from its tier alone).
+        Host arrays; e.g. ``optax.contrib.schedule_free_eval_params(engine.optimizer_state(), engine.params())``.
+
+        Raises:
+          ConfigError: the optimizer is zinf's own Adam (no optax state), or ``path`` is not a trained parameter.
+        """
+        self._usable("optimizer_state")
+        return optimizer_state(self.components, path)
 
     def save(self, directory: str | os.PathLike, *, user_state: Mapping[str, Any] | None = None,
              max_to_keep: int | None = None, overwrite: bool = False) -> Path:

@@ -15,7 +15,11 @@ and the ``source-read`` hook puts the part there. The parts (:data:`GENERATORS`)
 * ``cli``: ``zinf-jax --help`` and each command's help, from the argparse parsers;
 * ``errors``: the error table of :mod:`zinf_jax.errors`;
 * ``package-map``: each package's ``__init__`` docstring and every module's first docstring line;
-* ``notes``: the ``[Note: ...]`` index: where each note is written and where it is cited.
+* ``notes``: the ``[Note: ...]`` index: where each note is written and where it is cited;
+* ``optax-table``: how each kind of optax transform splits and runs, from the engine's own proofs
+  (:func:`zinf_jax.optim.optax_table.table_md`);
+* ``bytes-per-param``: host RAM, disk at rest and disk traffic a step per parameter of each placement, from
+  the estimator (:func:`zinf_jax.estimate.estimate_from_sizes`).
 
 Checks that fail the build (``-W``) and that the tests in ``tests/docs/`` run too: :func:`api_problems`
 (a public name without a documented entry), :func:`config_problems` (a config field without a
@@ -468,7 +472,9 @@ def package_map_md() -> str:
         if members:
             rst = []
             for m, p in members:
-                rst.append(f".. py:module:: {m}\n   :synopsis: {_first_line(p) or m}\n")
+                public_module = m.count(".") == 1 and m.split(".")[1] in public_names()  # the API page has it
+                rst.append(f".. py:module:: {m}\n   :synopsis: {_first_line(p) or m}\n"
+                           + ("   :no-index:\n" if public_module else ""))
             out.append(_eval_rst("\n".join(rst)))
             out.append("| module | what it is |\n|---|---|\n" + "\n".join(
                 f"| {{py:mod}}`{m}` | {_md(_first_line(p), m)} |" for m, p in members) + "\n")
@@ -512,8 +518,41 @@ def notes_problems() -> list[str]:
 
 GENERATORS: dict[str, Callable[[], str]] = {
     "api": api_md, "config": config_md, "deepspeed-keys": deepspeed_md, "cli": cli_md, "errors": errors_md,
-    "package-map": package_map_md, "notes": notes_md,
+    "package-map": package_map_md, "notes": notes_md, "optax-table": lambda: _optax_table(),
+    "bytes-per-param": lambda: bytes_per_param_md(),
 }
+
+
+def bytes_per_param() -> list[tuple[str, str, str, float, float, float, float]]:
+    """Per placement and compute dtype, the estimator's bytes per parameter of one step's state:
+    ``(params, optimizer, dtype, host RAM, disk at rest, disk read a step, disk written a step)`` (a 10B-class
+    GPT on 32 GPUs in 4 processes; the per-process figures times the processes, over the parameters)."""
+    import zinf_jax as zinf
+    from zinf_jax.estimate import estimate_from_sizes
+
+    rows = []
+    for dtype in ("float32", "bfloat16"):
+        for e in estimate_from_sizes(None, layers=48, hidden=4096, vocab=50257, seq=2048, batch=32, n_devices=32,
+                                     n_processes=4, platform="gpu", config=zinf.ZeroConfig(compute_dtype=dtype)):
+            per = 4 / e.params
+            rows.append((e.param_tier, e.optimizer_tier, dtype, e.host_bytes * per, e.nvme_bytes * per,
+                         e.step_read_bytes * per, e.step_write_bytes * per))
+    return rows
+
+
+def bytes_per_param_md() -> str:
+    out = ["| params | optimizer | compute dtype | host RAM | disk at rest | disk read a step | disk written a step |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
+    for pt, ot, dt, host, disk, read, write in bytes_per_param():
+        out.append(f"| {pt} | {ot} | {dt} | {host:.1f} B/param | {disk:.1f} B/param | {read:.1f} B/param | "
+                   f"{write:.1f} B/param |")
+    return "\n".join(out) + "\n"
+
+
+def _optax_table() -> str:
+    from zinf_jax.optim.optax_table import table_md
+
+    return table_md()
 
 
 def expand(text: str) -> str:

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import numpy as np
 import optax
+import optax.contrib
 import pytest
 from flax import nnx
 
@@ -19,9 +20,9 @@ STEPS = 3
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory):
     """One 2-process x 4-device job that trains the compiled engine (cpu tiers), then the streamed one (nvme, one
-    directory for both processes) with a whole-tensor optax rule: ``({tiers: [per-process results]}, its work
-    dir)``. (The streamed engine with zinf's AdamW across processes: the 4-process job below.)"""
-    return _job(tmp_path_factory.mktemp("two"), ("cpu", "nvme-lamb"))
+    directory for both processes) with a whole-tensor optax rule, then a tree-coupled one on cpu tiers:
+    ``({tiers: [per-process results]}, its work dir)``. (The streamed engine with zinf's AdamW across processes: the 4-process job below.)"""
+    return _job(tmp_path_factory.mktemp("two"), ("cpu", "nvme-lamb", "cpu-prodigy"))
 
 
 def _job(work, runs):
@@ -89,6 +90,19 @@ def test_two_processes_run_a_whole_tensor_rule_as_plain_jit(two_processes):
     cfg = GPTConfig(vocab=256, d_model=32, n_heads=4, n_layers=2, seq=16)
     data = corpus()
     ref, _ = optax_run(GPT(cfg, rngs=nnx.Rngs(0)), optax.lamb(3e-3, eps=1e-4),
+                       [batch_at(data, s, 8, cfg.seq) for s in range(STEPS)])
+    np.testing.assert_allclose(outs[0]["losses"], ref, rtol=1e-5)
+
+
+def test_two_processes_run_a_tree_coupled_rule_as_plain_jit(two_processes):
+    """``optax.contrib.prodigy`` (a step size estimated over every parameter) with each process holding half of every
+    sharded parameter: each process gathers every parameter for the one update over the tree, and the job trains as
+    plain jit + optax on the whole batch."""
+    outs = two_processes[0]["cpu-prodigy"]
+    assert outs[0]["losses"] == outs[1]["losses"]
+    cfg = GPTConfig(vocab=256, d_model=32, n_heads=4, n_layers=2, seq=16)
+    data = corpus()
+    ref, _ = optax_run(GPT(cfg, rngs=nnx.Rngs(0)), optax.contrib.prodigy(3.0, estim_lr0=1e-4),
                        [batch_at(data, s, 8, cfg.seq) for s in range(STEPS)])
     np.testing.assert_allclose(outs[0]["losses"], ref, rtol=1e-5)
 

@@ -109,13 +109,15 @@ def flat(state):
 
 def optax_steps(model_of, params, tx, data, loss_fn, place=lambda x: x, place_state=lambda x: x):
     """Plain ``jit(value_and_grad)`` + optax over ``params``: ``loss_fn(model_of(params), batch)`` for each batch
-    (placed by ``place``; the optimizer state by ``place_state``); the losses and the final params."""
+    (placed by ``place``; the optimizer state by ``place_state``; a ``GradientTransformationExtraArgs`` given the
+    loss as ``value=``); the losses and the final params."""
     opt_state = jax.tree.map(place_state, tx.init(params))
+    extra = isinstance(tx, optax.GradientTransformationExtraArgs)  # given the loss, as optax's examples do
 
     @jax.jit
     def step(params, opt_state, b):
         loss, g = jax.value_and_grad(lambda p: loss_fn(model_of(p), b))(params)
-        updates, opt_state = tx.update(g, opt_state, params)
+        updates, opt_state = tx.update(g, opt_state, params, **({"value": loss} if extra else {}))
         return optax.apply_updates(params, updates), opt_state, loss
 
     losses = []

@@ -25,7 +25,7 @@ from zinf_jax.models import GPT, GPTConfig, batch_at, corpus, lm_loss
 
 CFG = GPTConfig(vocab=256, d_model=32, n_heads=4, n_layers=2, seq=16)
 DATA = corpus()
-STEPS = 4
+STEPS = 5
 
 
 def ctor():
@@ -57,12 +57,26 @@ OPTIMIZERS = {
         lambda t: jax.tree.map(lambda x: "lamb" if x.ndim > 1 else "adam", t)), "matrices"),
     "multi_steps": (lambda: optax.MultiSteps(optax.adam(3e-3, eps=1e-4), every_k_schedule=2), "none"),
     "inject_hyperparams": (lambda: optax.inject_hyperparams(optax.adamw)(learning_rate=3e-3, eps=1e-4), "none"),
+    # one parameter's update reads the others' (a step size estimated over the tree, the loss against the whole
+    # gradient's norm, a key split over the leaves): the whole tree in one update (zinf_jax.optim.optax_split)
+    "prodigy": (lambda: optax.contrib.prodigy(3.0, estim_lr0=1e-4), "tree"),  # its estimate moves from step 3
+    "dadapt_adamw": (lambda: optax.contrib.dadapt_adamw(1.0, estim_lr0=1e-3), "tree"),
+    "mechanize": (lambda: optax.contrib.mechanize(optax.adam(3e-3, eps=1e-4)), "tree"),
+    "polyak_sgd": (lambda: optax.polyak_sgd(max_learning_rate=0.5, f_min=4.0), "tree"),
+    "momo": (lambda: optax.contrib.momo(0.3), "tree"),
+    "noisy_sgd": (lambda: optax.noisy_sgd(0.05, eta=1e-3, key=jax.random.key(3)), "tree"),
+    # element-wise, reading the loss or differences of parameter-sized numbers
+    "schedule_free_adamw": (lambda: optax.contrib.schedule_free_adamw(3e-3, warmup_steps=2, eps=1e-4), "none"),
+    "reduce_on_plateau": (lambda: optax.chain(optax.adam(3e-3, eps=1e-4), optax.contrib.reduce_on_plateau(
+        patience=0, cooldown=0, factor=0.5, rtol=0.5)), "none"),
 }
 
 # "<tier>-device": params in device memory, the optimizer state on <tier>, updated in the step's program
 # (optimizer_update="device")
 PLACEMENTS = ("nvme", "cpu", "none", "cpu-device", "nvme-device")
-CHEAP = {("lars", "cpu"), ("sgd", "none")}  # the LARS case and a stateless transform; the rest: -m slow
+CHEAP = {("lars", "cpu"), ("sgd", "none"), ("prodigy", "cpu"), ("polyak_sgd", "none"), ("noisy_sgd", "nvme"),
+         ("schedule_free_adamw", "cpu-device")}  # the LARS and Prodigy cases, the loss, a key, a stateless
+# transform, schedule-free; the rest: -m slow
 
 
 def config(tmp_path, where):
@@ -103,7 +117,8 @@ def test_optax_matches_plain_jit(tmp_path, references, name, where):
         assert_params_close(got, ref_params)
         rule = eng.optimizer.rule
         coupled = {p for p in eng.layouts if rule.whole(p)}
-        want = {"none": set(), "all": set(eng.layouts),
+        assert (rule.tree is not None) == (whole == "tree"), rule.tree
+        want = {"none": set(), "all": set(eng.layouts), "tree": set(eng.layouts),
                 "matrices": {p for p, lay in eng.layouts.items() if len(lay.shape) > 1}}[whole]
         assert coupled == want
         if where in ("none", "cpu-device", "nvme-device"):  # the transform ran inside the step's one XLA program

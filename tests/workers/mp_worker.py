@@ -3,8 +3,9 @@
 
 Usage: python mp_worker.py PROCESS_ID NUM_PROCESSES PORT WORKDIR STEPS [TIERS]
 TIERS: comma-separated, each ``nvme`` (the streamed engine) or ``cpu`` (params and optimizer in host RAM: the
-compiled engine), zinf's AdamW; or ``nvme-lamb`` (nvme, ``optax.lamb``: a whole-tensor rule), or ``nvme-device``
-(params in device memory, the optimizer state on nvme updated in the step's program); default ``nvme``.
+compiled engine), zinf's AdamW; or ``nvme-lamb`` (nvme, ``optax.lamb``: a whole-tensor rule), ``cpu-prodigy``
+(``optax.contrib.prodigy``: one update over the whole tree), or ``nvme-device`` (params in device memory, the
+optimizer state on nvme updated in the step's program); default ``nvme``.
 Prints one JSON line: {tier: {"process": i, "mode": ..., "losses": [...], "manifests": [...], ...}}.
 """
 import json
@@ -24,6 +25,7 @@ use_session_jax_cache()  # the test run's compilation cache: later engines compi
 jax.distributed.initialize(f"localhost:{port}", num_processes=nproc, process_id=pid)
 
 import optax  # noqa: E402
+import optax.contrib  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import zinf_jax as zinf  # noqa: E402
@@ -42,7 +44,8 @@ def run(tiers):
     work = os.path.join(workdir, tiers)  # (exists for nvme: the test made it)
     tier, _, rule = tiers.partition("-")
     off = zinf.Offload("nvme", path=work) if tier == "nvme" else zinf.Offload(tier)
-    tx = optax.lamb(3e-3, eps=1e-4) if rule == "lamb" else zinf.adamw(3e-3, weight_decay=0.1, clip_norm=1.0)
+    tx = {"lamb": lambda: optax.lamb(3e-3, eps=1e-4), "prodigy": lambda: optax.contrib.prodigy(3.0, estim_lr0=1e-4)}.get(
+        rule, lambda: zinf.adamw(3e-3, weight_decay=0.1, clip_norm=1.0))()
     config = (zinf.ZeroConfig(offload_optimizer=off, optimizer_update="device", persistence_threshold=600)
               if rule == "device" else
               zinf.ZeroConfig(offload_param=off, offload_optimizer=off, persistence_threshold=600))

@@ -554,7 +554,7 @@ class CompiledModel:
                 else:
                     grads += [piece[k] for piece in g for k in range(piece.shape[0])]
             grads += [g_glue[j] for j in glue_trained]
-            masters, new_states, norm, finite = self.fused.update(paths, grads, states, scalars)
+            masters, new_states, norm, finite = self.fused.update(paths, grads, states, scalars, value=loss)
             new_params = [stored(p, m) for p, m in zip(paths, masters)]
             by_path = dict(zip(paths, new_params))
             new_slots = []

@@ -260,7 +260,7 @@ class Stepper:
         try:
             with TraceAnnotation("zinf/optimizer_step", step=eng.optimizer.step_count + 1):
                 m = eng.optimizer.step(eng.passes.sink.source, write_param, on_written=eng.gate.written,
-                                       write_params=eng.store.put_local_many)
+                                       write_params=eng.store.put_local_many, value=grads.loss)
             if clear:
                 eng.passes.sink.clear()
             meta = {"step": eng.optimizer.step_count}

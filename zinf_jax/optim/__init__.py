@@ -6,8 +6,9 @@ one step to one float32 shard in place (fused numba kernel, pure-JAX fallback);
 the clipping/unscaling multiplier, the non-finite skip and the loss-scale update;
 :class:`~zinf_jax.optim.driver.StreamedOptimizer` streams the state through a tier, applying an
 update rule (:mod:`~zinf_jax.optim.rules`: the fused Adam, or any optax transform: per sub-group where
-:mod:`~zinf_jax.optim.optax_probe` proves it element-wise on a parameter, per whole tensor elsewhere,
-:mod:`~zinf_jax.optim.optax_rule`; packs and whole tensors are read and written by
+:mod:`~zinf_jax.optim.optax_split` proves it element-wise on a parameter, per whole tensor where it
+couples a tensor's elements, over the whole tree where it couples parameters,
+:mod:`~zinf_jax.optim.optax_rule`; packs, whole tensors and the tree are read and written by
 :mod:`~zinf_jax.optim.work`).
 """
 

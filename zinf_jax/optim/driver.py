@@ -60,7 +60,7 @@ from zinf_jax.optim.grads_out import TierGrads
 from zinf_jax.optim.kernel import all_finite, sum_squares
 from zinf_jax.optim.rules import UpdateRule, make_rule
 from zinf_jax.optim.scaling import LossScaler, grad_scale, init_loss_scale, update_loss_scale
-from zinf_jax.optim.subgroups import (PACK_BELOW, PACK_ELEMENTS, BufferSet, Group, Pack, Pipe, Whole, pack_groups,
+from zinf_jax.optim.subgroups import (PACK_BELOW, PACK_ELEMENTS, BufferSet, Group, Pack, Pipe, Tree, Whole, pack_groups,
                                      sub_groups, work_name)
 from zinf_jax.optim.state_io import StateAccess
 from zinf_jax.optim.work import MultiShardWork
@@ -164,6 +164,8 @@ class StreamedOptimizer(MultiShardWork, StateAccess):
         self._size_sets()
         self.peak_live_buffers = 0  # most sub-group buffer sets in use at once, since construction
         self._scratch: np.ndarray | None = None  # grad conversion (non-float32 grads)
+        self._runs: dict = {}  # a pack -> its states as runs of the tier (updated in place as one array)
+        self._pack_g: np.ndarray | None = None
         self._zeros: np.ndarray | None = None  # the zero grad (read only)
         self._assembly: np.ndarray | None = None  # a multi-chunk shard handed to write_param
         self._assembly_pending: list[Future] = []
@@ -173,9 +175,10 @@ class StreamedOptimizer(MultiShardWork, StateAccess):
         """Seconds of the last :meth:`step` in the norm pass, waiting on reads and writes, in Adam, in write_param."""
 
     # --- layout -------------------------------------------------------------
-    def _plan(self) -> list[Group | Pack | Whole]:
+    def _plan(self) -> list[Group | Pack | Whole | Tree]:
         """The step's units of work: the sub-groups in order, small whole shards in packs, the parameters of a
-        whole-tensor rule whole (each where its first sub-group was).
+        whole-tensor rule whole (each where its first sub-group was), or every parameter of a tree-coupled rule in
+        one unit.
 
         See [Note: packs] in :mod:`~zinf_jax.optim.subgroups` and [Note: whole-tensor updates].
         """
@@ -184,13 +187,20 @@ class StreamedOptimizer(MultiShardWork, StateAccess):
         for g in self._groups:
             if g.path in self._whole:
                 wholes.setdefault(g.path, []).append(g)
-        work: list[Group | Pack | Whole] = pack_groups(
+        work: list[Group | Pack | Whole | Tree] = pack_groups(
             [g for g in self._groups if g.path not in self._whole], self._pack_below, PACK_ELEMENTS,
             same=lambda g: self._names[g.path], order=lambda g: self.rule.pack_key(g.path, self.layouts[g.path].shape))
+        units = []
         for path, gs in wholes.items():
             gs = sorted(gs, key=lambda g: (g.shard, g.chunk))
-            work.append(Whole(path, tuple(gs), self._chunk[path], self._chunk[path] * self._nch[path]))
-        first = lambda w: min(rank[id(g)] for g in (w.members if isinstance(w, (Pack, Whole)) else (w,)))  # noqa: E731
+            units.append(Whole(path, tuple(gs), self._chunk[path], self._chunk[path] * self._nch[path]))
+        if getattr(self.rule, "tree", None) is not None and units:  # one update over the tree
+            offsets = [0]
+            for u in units[:-1]:
+                offsets.append(offsets[-1] + u.size)
+            units = [Tree(tuple(units), tuple(offsets))]
+        work += units
+        first = lambda w: min(rank[id(g)] for g in (w.members if isinstance(w, (Pack, Whole, Tree)) else (w,)))  # noqa: E731
         return sorted(work, key=first)
 
     def declare(self) -> None:
@@ -254,12 +264,13 @@ class StreamedOptimizer(MultiShardWork, StateAccess):
     def restore_state(self, st: dict[str, Any] | None = None) -> None:
         """Reads the step count, skip count and loss scaler back from ``tier.metadata()`` (no-op if absent), or
         from ``st`` (a :meth:`state_dict`: what a step that failed puts back)."""
+        checkpoint = st is None
         st = self.tier.metadata().get(METADATA_KEY) if st is None else st
         if st is None:
             return
         self._count, self._skipped = int(st["count"]), int(st["skipped"])
         self._scaler = LossScaler(*(t(x) for t, x in zip((float, int, int, int), st["loss_scaler"])))
-        self.rule.load_state_dict(st.get("rule", {}))
+        self.rule.load_state_dict(st.get("rule", {}), checkpoint=checkpoint)
 
     # --- the step -------------------------------------------------------------
     def _as_f32(self, g: np.ndarray, start: int, stop: int) -> np.ndarray:
@@ -313,7 +324,7 @@ class StreamedOptimizer(MultiShardWork, StateAccess):
         w, bs.written = bs.written, None
         self._live -= 1
         self._free.append(bs)
-        for gr in (() if w is None or quiet else w.members if isinstance(w, (Pack, Whole)) else (w,)):
+        for gr in (() if w is None or quiet else w.members if isinstance(w, (Pack, Whole, Tree)) else (w,)):
             self._left[gr.path] -= 1
             if self._left[gr.path] == 0 and self._on_written is not None:
                 self._on_written(gr.path)
@@ -328,16 +339,18 @@ class StreamedOptimizer(MultiShardWork, StateAccess):
         rank = {p: i for i, p in enumerate(paths)}
         self._groups.sort(key=lambda g: rank.get(g.path, len(rank)))
         self._work = self._plan()
+        self._runs = {}  # new packs: their runs are made at their first update
         self._size_sets()
 
     def _size_sets(self) -> None:
         """Sizes the buffer sets for the planned work: each as large as its largest sub-group, pack or whole
         parameter, with one more array for the gradient where packs or a grad tier gather it there. A pool of
         smaller sets (made before a new order cut a larger pack) is dropped, to be allocated again."""
-        buffered = [w for w in self._work if isinstance(w, Whole) or not self._in_place]  # [Note: updates in place]
-        packs = any(isinstance(w, (Pack, Whole)) for w in buffered)  # their gradient is gathered into the set
+        buffered = [w for w in self._work if isinstance(w, (Whole, Tree)) or not self._in_place]  # See
+        # [Note: updates in place]
+        packs = any(isinstance(w, (Pack, Whole, Tree)) for w in buffered)  # their gradient is gathered into the set
         size = max([1 if self._in_place else self._max_chunk,
-                    *(w.size for w in buffered if isinstance(w, (Pack, Whole)))])
+                    *(w.size for w in buffered if isinstance(w, (Pack, Whole, Tree)))])
         arrays = self._n_arrays + (self.grads is not None or packs)
         if size > self._set_size or arrays > self._set_arrays:
             if self._live:
@@ -347,12 +360,14 @@ class StreamedOptimizer(MultiShardWork, StateAccess):
 
     def _io(self, bs: BufferSet, w: Group | Pack, read: bool) -> None:
         """Reads or writes every state of ``w`` (a sub-group or a pack); each future joins ``bs.pending`` at once."""
-        if self._in_place and not isinstance(w, Whole):
+        if self._in_place and not isinstance(w, (Whole, Tree)):
             return  # the update writes the tier's arrays: [Note: updates in place]
         if isinstance(w, Pack):
             return self._io_pack(bs, w, read)
         if isinstance(w, Whole):
             return self._io_whole(bs, w, read)
+        if isinstance(w, Tree):
+            return self._io_tree(bs, w, read)
         gr, size = w, self._chunk[w.path]
         for k, (s, a) in enumerate(zip(self._names[gr.path], bs.arrays)):
             key, buf = f"{s}/{gr.path}", a[:size]
@@ -385,7 +400,8 @@ class StreamedOptimizer(MultiShardWork, StateAccess):
     def step(self, grad: Callable[[str, int], np.ndarray | None],
              write_param: Callable[[str, int, np.ndarray], Any],
              on_written: Callable[[str], None] | None = None,
-             write_params: Callable[[list[tuple[str, int, np.ndarray]]], list[Any]] | None = None) -> dict:
+             write_params: Callable[[list[tuple[str, int, np.ndarray]]], list[Any]] | None = None,
+             value: float | None = None) -> dict:
         """One optimizer step over every local shard.
 
         The first sub-groups are read while the norm pass runs; a skipped step
@@ -410,6 +426,8 @@ class StreamedOptimizer(MultiShardWork, StateAccess):
           write_params: ``write_params([(path, i, master), ...])``: the shards of one pack at once (a
             list of futures or values; the same buffer rules as ``write_param``); default: ``write_param``
             for each.
+          value: the step's loss (after accumulation), for a rule whose update reads it (an optax
+            ``GradientTransformationExtraArgs`` gets it as ``value=``).
 
         Returns:
           ``{"grad_norm", "skipped", "loss_scale", "step", "lr"}``: the unscaled
@@ -430,6 +448,7 @@ class StreamedOptimizer(MultiShardWork, StateAccess):
             gs = grad_scale(norm_sq, loss_scale=self._scaler.scale, clip_norm=self.rule.clip_norm)
             stats = {"norm_s": time.perf_counter() - t0}
             lr = self.rule.lr_at(self._count)
+            self.rule.begin_step(value)
             if gs.finite:
                 try:
                     many = write_params or (lambda items: [write_param(*it) for it in items])
@@ -465,9 +484,9 @@ class StreamedOptimizer(MultiShardWork, StateAccess):
                 for f in bs.pending:
                     f.result()
             bs.pending = []
-            bs.unstage(w.size if isinstance(w, (Pack, Whole)) else self._chunk[w.path])  # bf16 states to float32
+            bs.unstage(w.size if isinstance(w, (Pack, Whole, Tree)) else self._chunk[w.path])  # bf16 states to f32
             t_read += time.perf_counter() - t
-            if isinstance(w, (Pack, Whole)):
+            if isinstance(w, (Pack, Whole, Tree)):
                 t_adam_w, t_param_w = (self._update_pack(bs, w, grad, write_params, step=step, lr=lr, mult=mult)
                                        if isinstance(w, Pack) else self._update_whole(bs, w, grad, write_param,
                                                                                        mult=mult))

@@ -41,7 +41,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zinf_jax.optim.adam import AdamSpec, adam_math, bias_correction
 from zinf_jax.optim.driver import StreamedOptimizer
-from zinf_jax.optim.fused_optax import from_flat, optax_update, small_leaves, to_flat, whole_shape
+from zinf_jax.optim.fused_optax import from_flat, optax_update, small_leaves, to_flat
 from zinf_jax.optim.kernel import AdamCoefficients
 from zinf_jax.optim.scaling import update_loss_scale
 from zinf_jax.plan.partition import local_positions
@@ -104,7 +104,6 @@ class FusedAdam(StreamedOptimizer):
         self._adopted = -1  # the tier's version after the last adopt
         self._resident = self.tier.kind == "device"  # else the state moves in for each step and back out
         self._optax = not isinstance(self.spec, AdamSpec)  # See zinf_jax.optim.fused_optax
-        self._shapes = {p: whole_shape(self.rule, p, lay) for p, lay in self.layouts.items()} if self._optax else {}
         self._small: dict[str, tuple[tuple[int, ...], list[jax.Array]]] = {}  # path -> (host leaves' ids, on device)
         self._new_small: dict[str, list[jax.Array]] = {}  # the last program's small leaves, until applied
 
@@ -230,12 +229,14 @@ class FusedAdam(StreamedOptimizer):
         return np.float32(self.rule.lr_at(self._count)), bias_correction(sp.b1, t), bias_correction(sp.b2, t)
 
     def update(self, paths: Sequence[str], grads: Sequence[jax.Array], states: Sequence[Sequence[jax.Array]],
-               scalars: Sequence[jax.Array]) -> tuple[list[jax.Array], list[list[jax.Array]], jax.Array, jax.Array]:
+               scalars: Sequence[jax.Array], value: jax.Array | None = None
+               ) -> tuple[list[jax.Array], list[list[jax.Array]], jax.Array, jax.Array]:
         """One step inside the program: stored-form float32 gradients in; new stored-form float32 masters, new
-        flat states, the global norm and whether it was finite out (not finite: everything as it was)."""
+        flat states, the global norm and whether it was finite out (not finite: everything as it was).
+        ``value``: the step's loss (an optax transform's ``value=``)."""
         if self._optax:
-            return optax_update(self.rule.tx, self.rule.clip_norm, self.layouts, self._shapes, paths, grads, states,
-                                {p: len(self._names[p]) for p in paths})
+            return optax_update(self.rule, self.layouts, paths, grads, states,
+                                {p: len(self._names[p]) for p in paths}, value)
         sp = self.spec
         lr, bc1, bc2 = scalars
         flat_g = [to_flat(self.layouts[p], g.astype(jnp.float32)) for p, g in zip(paths, grads)]
@@ -283,9 +284,9 @@ class FusedAdam(StreamedOptimizer):
                          "step": self._count, "lr": None if self._optax else float(lr)}
 
     def step(self, grad: Callable, write_param: Callable, on_written: Callable[[str], None] | None = None,
-             write_params: Callable | None = None) -> dict:
+             write_params: Callable | None = None, value: float | None = None) -> dict:
         """The step the program applied (its metrics), or else a streamed step (see the base class)."""
         if self._pending is not None:
             out, self._pending = self._pending, None
             return out
-        return super().step(grad, write_param, on_written=on_written, write_params=write_params)
+        return super().step(grad, write_param, on_written=on_written, write_params=write_params, value=value)

@@ -9,7 +9,8 @@ and how one sub-group is updated. Two rules exist:
   the fused in-place kernel (the fast path);
 * :class:`~zinf_jax.optim.optax_rule.OptaxRule`: any optax ``GradientTransformation``, run on the
   host CPU backend per sub-group where it is element-wise and per whole parameter elsewhere
-  ([Note: whole-tensor updates] in :mod:`~zinf_jax.optim.work`).
+  ([Note: whole-tensor updates] in :mod:`~zinf_jax.optim.work`), or over the whole tree in one update
+  where one parameter's update reads another's ([Note: split proofs]).
 
 Every per-element state is stored as float32 chunks of the master's chunking,
 key ``f"{name}/{path}"`` in the optimizer tier.
@@ -47,6 +48,9 @@ class UpdateRule(Protocol):
     def lr_at(self, count: int) -> float | None:
         """Learning rate of the step after ``count`` applied steps (``None`` if the rule has no single one)."""
 
+    def begin_step(self, value: float | None) -> None:
+        """A step begins; ``value``: its loss (``None``: not known), for rules whose update reads it."""
+
     def update(self, path: str, shape: tuple[int, ...], arrays: Sequence[np.ndarray], grad: np.ndarray, *,
                valid: int, step: int, lr: float | None, mult: np.float32) -> None:
         """Updates ``arrays`` (master then states, full padded chunks) in place from ``grad`` (``valid`` elements)."""
@@ -76,8 +80,9 @@ class UpdateRule(Protocol):
     def state_dict(self) -> dict[str, Any]:
         """JSON-ready scalar state (step counters of optax transforms)."""
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Inverse of :meth:`state_dict`."""
+    def load_state_dict(self, state: Mapping[str, Any], *, checkpoint: bool = False) -> None:
+        """Inverse of :meth:`state_dict` (``checkpoint``: read from a checkpoint by a rule built now, not put back
+        after a failed step)."""
 
 
 class AdamRule:
@@ -100,6 +105,9 @@ class AdamRule:
                valid: int, step: int, lr: float | None, mult: np.float32) -> None:
         # a padded tail stays zero: never touched
         self.update_many([(path, shape, 0, valid)], arrays, grad, step=step, lr=lr, mult=mult)
+
+    def begin_step(self, value: float | None) -> None:
+        pass
 
     def pack_key(self, path: str, shape: tuple[int, ...]) -> Hashable:
         return self.spec.decay_for(path, shape)
@@ -141,7 +149,7 @@ class AdamRule:
     def state_dict(self) -> dict[str, Any]:
         return {}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], *, checkpoint: bool = False) -> None:
         pass
 
 
@@ -176,7 +184,7 @@ class WholeSets:
 
     Attributes:
       elements: elements of one buffer set (the largest such parameter's local shards, padded to whole
-        sub-groups; 0: none).
+        sub-groups; every parameter's together for a tree-coupled rule; 0: none).
       arrays: float32 arrays of a set (master, the most states of any parameter, the gradient).
       gather_bytes: a multi-process job's temporaries while one such parameter is gathered (every process's
         shards as received, and the whole tensor's arrays; 0 with one process).
@@ -203,6 +211,9 @@ def whole_sets(rule: Any, layouts: Mapping[str, Any], shards: Mapping[str, int],
         return WholeSets()
     arrays = 2 + max(len(rule.state_names(p)) for p in layouts)  # master, states, gradient
     padded = {p: math.prod(sub_groups(math.prod(layouts[p].shard_shape), sub_group_size)) for p in whole}
-    gather = max(4 * arrays * padded[p] * (layouts[p].num_shards + processes * shards[p]) for p in whole)
-    return WholeSets(elements=max(shards[p] * padded[p] for p in whole), arrays=arrays,
-                     gather_bytes=gather if processes > 1 else 0, paths=frozenset(whole))
+    gathers = [4 * arrays * padded[p] * (layouts[p].num_shards + processes * shards[p]) for p in whole]
+    elements = [shards[p] * padded[p] for p in whole]
+    together = getattr(rule, "tree", None) is not None  # one unit of every parameter: [Note: split proofs]
+    return WholeSets(elements=sum(elements) if together else max(elements), arrays=arrays,
+                     gather_bytes=(sum(gathers) if together else max(gathers)) if processes > 1 else 0,
+                     paths=frozenset(whole))

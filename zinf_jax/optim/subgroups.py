@@ -33,7 +33,7 @@ import numpy as np
 
 from zinf_jax.tiers.direct import aligned_empty
 
-__all__ = ["Group", "Pack", "Whole", "Span", "PACK_BELOW", "PACK_ELEMENTS", "pack_groups", "pool_geometry", "sub_groups",
+__all__ = ["Group", "Pack", "Whole", "Tree", "Span", "PACK_BELOW", "PACK_ELEMENTS", "pack_groups", "pool_geometry", "sub_groups",
            "work_name", "BufferSet", "Pipe"]
 
 PACK_BELOW = 1 << 16
@@ -83,6 +83,24 @@ class Whole:
     def size(self) -> int:
         """Elements of each of its buffers (every shard, padded)."""
         return len(self.members) * self.chunk
+
+
+@dataclasses.dataclass(frozen=True)
+class Tree:
+    """Every parameter of a rule that updates the whole tree at once: ``wholes[k]`` at ``offsets[k]`` of the buffers
+    (see [Note: whole-tensor updates])."""
+
+    wholes: tuple[Whole, ...]
+    offsets: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        """Elements of each of its buffers (every parameter's local shards, padded)."""
+        return sum(w.size for w in self.wholes)
+
+    @property
+    def members(self) -> tuple[Group, ...]:
+        return tuple(g for w in self.wholes for g in w.members)
 
 
 def pack_groups(groups: Sequence[Group], below: int, most: int, same: Callable[[Group], Hashable],
@@ -139,8 +157,10 @@ def pool_geometry(shards: Sequence[tuple[int, int]], sub_group_size: int, below:
     return len(work), max([largest, *packs]), bool(packs)
 
 
-def work_name(w: Group | Pack | Whole) -> str:
+def work_name(w: Group | Pack | Whole | Tree) -> str:
     """What the profiler regions name: the sub-group's parameter, or a pack's first and its size."""
+    if isinstance(w, Tree):
+        return f"tree of {len(w.wholes)}"
     return f"{w.members[0].path} +{len(w.members) - 1}" if isinstance(w, Pack) else w.path
 
 
@@ -166,14 +186,15 @@ class BufferSet:
         self._stage: dict[int, np.ndarray] = {}  # array index -> its narrow staging buffer (bf16 states)
         self._staged: list[int] = []  # the arrays whose read landed in their staging buffer
 
-    def staged(self, k: int, size: int, dtype: Any) -> np.ndarray:
-        """The staging buffer array ``k`` is read into (a narrower stored dtype), widened by :meth:`unstage`."""
+    def staged(self, k: int, size: int, dtype: Any, start: int = 0) -> np.ndarray:
+        """The staging buffer array ``k`` is read into (a narrower stored dtype), widened by :meth:`unstage`
+        (``size`` elements from ``start``)."""
         buf = self._stage.get(k)
         if buf is None:  # the same dtype every time (the optimizer's state_dtype)
             buf = self._stage[k] = aligned_empty(np.dtype(dtype).itemsize * self.arrays[k].shape[0]).view(dtype)
         if k not in self._staged:
             self._staged.append(k)
-        return buf[:size]
+        return buf[start:start + size]
 
     def staging(self) -> tuple[np.ndarray, ...]:
         """The staging buffers made so far."""

@@ -38,7 +38,7 @@ from zinf_jax._internal.futures import is_future
 from zinf_jax._internal.multihost import allgather
 from zinf_jax.errors import ConfigError
 from zinf_jax.optim.grads_out import TierGrads
-from zinf_jax.optim.subgroups import BufferSet, Pack, Whole, work_name
+from zinf_jax.optim.subgroups import BufferSet, Pack, Tree, Whole, work_name
 from zinf_jax.tiers.base import np_dtype
 
 __all__ = ["MultiShardWork"]
@@ -59,6 +59,8 @@ class MultiShardWork:
     _holders: dict
     _in_place: bool
     _zero_buffer: Callable[[], np.ndarray]
+    _runs: dict  # Pack -> None: its states cannot be runs of the tier (see _pack_runs)
+    _pack_g: np.ndarray | None  # a pack's gradients side by side
 
     def _io_pack(self, bs: BufferSet, pk: Pack, read: bool) -> None:
         """:meth:`_io` of a pack: each member's states at its offset of the set's arrays (gradients too, from a
@@ -78,18 +80,18 @@ class MultiShardWork:
                 else:
                     g[off:off + gr.valid] = 0.0
 
-    def _io_whole(self, bs: BufferSet, wh: Whole, read: bool) -> None:
-        """:meth:`_io` of a whole parameter: member ``k`` at ``k * chunk`` of each array (gradients too, from a grad
-        tier; a shard without a gradient this step gets zeros)."""
+    def _io_whole(self, bs: BufferSet, wh: Whole, read: bool, base: int = 0) -> None:
+        """:meth:`_io` of a whole parameter at ``base`` of the set's arrays: member ``k`` at ``base + k * chunk``
+        of each array (gradients too, from a grad tier; a shard without a gradient this step gets zeros)."""
         for k, (s, a) in enumerate(zip(self._names[wh.path], bs.arrays)):
-            whole = a[:wh.size]
+            whole = a[base:base + wh.size]
             if read and s != "master" and self.state_dtype != "float32":  # See [Note: bf16 moments]
-                whole = bs.staged(k, wh.size, np_dtype(self.state_dtype))
+                whole = bs.staged(k, wh.size, np_dtype(self.state_dtype), start=base)
             items = [(f"{s}/{wh.path}", gr.index, whole[m * wh.chunk:(m + 1) * wh.chunk])
                      for m, gr in enumerate(wh.members)]
             bs.pending += self.tier.get_many(items) if read else self.tier.put_many(items)
         if read and self.grads is not None:
-            g = bs.arrays[-1]
+            g = bs.arrays[-1][base:base + wh.size]
             for m, gr in enumerate(wh.members):
                 part = g[m * wh.chunk:m * wh.chunk + gr.valid]
                 if self.grads.has(gr.path, gr.shard):
@@ -97,11 +99,16 @@ class MultiShardWork:
                 else:
                     part[:] = 0.0
 
-    def _update_whole(self, bs: BufferSet, wh: Whole, grad, write_param, *, mult: np.float32) -> tuple[float, float]:
-        """Updates a whole parameter read into ``bs`` and issues its writes (states, then each shard's master);
-        the seconds spent in the update and in ``write_param``."""
-        t = time.perf_counter()
-        g = bs.arrays[-1][:wh.size]
+    def _io_tree(self, bs: BufferSet, tree: Tree, read: bool) -> None:
+        """:meth:`_io` of every parameter of a tree-coupled rule, each at its offset."""
+        for wh, base in zip(tree.wholes, tree.offsets):
+            self._io_whole(bs, wh, read, base)
+
+    def _whole_inputs(self, bs: BufferSet, wh: Whole, grad, base: int = 0) -> tuple[list[np.ndarray], np.ndarray,
+                                                                                   list[int]]:
+        """The whole parameter read into ``bs`` at ``base``: its arrays (master, states), its gradient (filled from
+        ``grad`` unless read from a grad tier; padding zero) and its local shards."""
+        g = bs.arrays[-1][base:base + wh.size]
         numel = self._numel[wh.path]
         shards = sorted({gr.shard for gr in wh.members})
         if not isinstance(grad, TierGrads):  # (read with the states otherwise)
@@ -114,25 +121,55 @@ class MultiShardWork:
                     np.copyto(dst, np.asarray(part).reshape(-1), casting="unsafe")
         for s in range(len(shards)):  # the padding of each shard: zero (never read as data)
             g[s * wh.per_shard + numel:(s + 1) * wh.per_shard] = 0.0
-        arrays = [a[:wh.size] for a in bs.arrays[:len(self._names[wh.path])]]
-        with TraceAnnotation("zinf/optimizer_update", param=wh.path):
-            if wh.path in self._holders:  # a multi-process job: every shard, gathered from all processes
-                *full, full_g = self._gather_whole(wh.path, [*arrays, g], wh.per_shard)
-                self.rule.update_whole(wh.path, self.layouts[wh.path], full, full_g,
-                                       shards=self.layouts[wh.path].num_shards, per_shard=wh.per_shard, mult=mult)
-                for a, f in zip(arrays, full):  # this process's shards of the result
-                    a.reshape(len(shards), wh.per_shard)[:] = f.reshape(-1, wh.per_shard)[shards]
-            else:
-                self.rule.update_whole(wh.path, self.layouts[wh.path], arrays, g, shards=len(shards),
-                                       per_shard=wh.per_shard, mult=mult)
-        t_update = time.perf_counter() - t
-        with TraceAnnotation("zinf/optimizer_write", param=wh.path):
-            self._io(bs, wh, read=False)
-        t = time.perf_counter()
-        shape = self.layouts[wh.path].shard_shape
+        return [a[base:base + wh.size] for a in bs.arrays[:len(self._names[wh.path])]], g, shards
+
+    def _whole_item(self, wh: Whole, arrays: list[np.ndarray], g: np.ndarray, shards: list[int]) -> tuple:
+        """What the rule's :meth:`update_tree` takes for one whole parameter: every shard, gathered from all
+        processes in a multi-process job (see [Note: whole-tensor updates])."""
+        lay = self.layouts[wh.path]
+        if wh.path in self._holders:
+            *full, full_g = self._gather_whole(wh.path, [*arrays, g], wh.per_shard)
+            return wh.path, lay, full, full_g, lay.num_shards, wh.per_shard
+        return wh.path, lay, arrays, g, len(shards), wh.per_shard
+
+    def _whole_back(self, wh: Whole, item: tuple, arrays: list[np.ndarray], shards: list[int]) -> None:
+        """After the update of a gathered parameter: this process's shards of the result back in ``arrays``
+        (before they are written)."""
+        if wh.path in self._holders:
+            for a, f in zip(arrays, item[2]):
+                a.reshape(len(shards), wh.per_shard)[:] = f.reshape(-1, wh.per_shard)[shards]
+
+    def _whole_written(self, bs: BufferSet, wh: Whole, arrays: list[np.ndarray], shards: list[int],
+                       write_param) -> None:
+        """Each of this process's shards' new master to ``write_param``."""
+        numel, shape = self._numel[wh.path], self.layouts[wh.path].shard_shape
         for s, i in enumerate(shards):
             out = write_param(wh.path, i, arrays[0][s * wh.per_shard:s * wh.per_shard + numel].reshape(shape))
             bs.pending += [out] if is_future(out) else []
+
+    def _update_whole(self, bs: BufferSet, w: Whole | Tree, grad, write_param, *,
+                      mult: np.float32) -> tuple[float, float]:
+        """Updates a whole parameter (or every parameter of a tree-coupled rule) read into ``bs`` in one call of
+        the rule, and issues its writes (states, then each shard's master); the seconds spent in the update and
+        in ``write_param``."""
+        t = time.perf_counter()
+        wholes = (w,) if isinstance(w, Whole) else w.wholes
+        bases = (0,) if isinstance(w, Whole) else w.offsets
+        got = [self._whole_inputs(bs, wh, grad, base) for wh, base in zip(wholes, bases)]
+        items = [self._whole_item(wh, *x) for wh, x in zip(wholes, got)]
+        with TraceAnnotation("zinf/optimizer_update", param=work_name(w)):
+            self.rule.update_tree(items, mult=mult)
+        for wh, item, (arrays, _, shards) in zip(wholes, items, got):
+            self._whole_back(wh, item, arrays, shards)
+        t_update = time.perf_counter() - t
+        with TraceAnnotation("zinf/optimizer_write", param=work_name(w)):
+            if isinstance(w, Whole):
+                self._io_whole(bs, w, read=False)
+            else:
+                self._io_tree(bs, w, read=False)
+        t = time.perf_counter()
+        for wh, (arrays, _, shards) in zip(wholes, got):
+            self._whole_written(bs, wh, arrays, shards, write_param)
         return t_update, time.perf_counter() - t
 
     def _whole_holders(self) -> dict[str, np.ndarray]:
@@ -172,6 +209,19 @@ class MultiShardWork:
         full[:, held.ravel()] = got  # (a shard two processes hold is written twice, with the same numbers)
         return list(full.reshape(len(local), -1))
 
+    def _pack_grad(self, pk: Pack, grad) -> np.ndarray:
+        """The pack's gradients side by side in one float32 buffer (kept for the next step)."""
+        if self._pack_g is None or self._pack_g.shape[0] < pk.size:
+            self._pack_g = np.empty(pk.size, np.float32)
+        g = self._pack_g[:pk.size]
+        for gr, off in zip(pk.members, pk.offsets):
+            part = grad(gr.path, gr.shard)
+            if part is None:
+                g[off:off + gr.valid] = 0.0
+            else:
+                np.copyto(g[off:off + gr.valid], np.asarray(part).reshape(-1), casting="unsafe")
+        return g
+
     def _update_pack(self, bs: BufferSet, pk: Pack, grad, write_params, *, step: int, lr: float,
                      mult: np.float32) -> tuple[float, float]:
         """Updates a pack read into ``bs`` and issues its writes (states, then its parameters in one call);
@@ -202,15 +252,47 @@ class MultiShardWork:
         bs.pending += [f for f in outs if is_future(f)]
         return t_adam, time.perf_counter() - t
 
+    def _pack_runs(self, pk: Pack) -> list[np.ndarray] | None:
+        """The pack's states as runs of the tier (per state one array, the members side by side:
+        ``CpuTier.share_run``), made at its first update; ``None`` where the tier cannot (a member's master is a
+        row of a scanned stack's array, [Note: masters in rows]): its members are updated one by one."""
+        share = getattr(self.tier, "share_run", None)
+        if share is None or self._runs.get(pk, True) is None:
+            return None
+        runs = []
+        for s in self._names[pk.members[0].path]:
+            run = share([(f"{s}/{gr.path}", gr.index) for gr in pk.members])
+            if run is None:
+                self._runs[pk] = None  # (a member's master is a row of a stack: one at a time from now on)
+                return None
+            runs.append(run)
+        return runs
+
     def _update_pack_in_place(self, bs: BufferSet, pk: Pack, grad, write_params, *, step: int, lr: float,
                               mult: np.float32) -> tuple[float, float]:
-        """:meth:`_update_pack` on the tier's own arrays, one member at a time (see [Note: updates in place] in
-        :mod:`~zinf_jax.optim.driver`)."""
+        """:meth:`_update_pack` on the tier's own arrays (see [Note: updates in place] in
+        :mod:`~zinf_jax.optim.driver`): as one array where the pack's states are runs of the tier
+        (:meth:`_pack_runs`), else one member at a time."""
         t = time.perf_counter()
-        stored = self.tier.writable([(f"{s}/{gr.path}", gr.index) for gr in pk.members for s in self._names[gr.path]])
+        runs = self._pack_runs(pk)
+        names = self._names[pk.members[0].path]
+        stored = self.tier.writable([(f"{s}/{gr.path}", gr.index) for gr in pk.members for s in names])
+        if runs is not None:
+            g = self._pack_grad(pk, grad)
+            spans = [(gr.path, self.layouts[gr.path].shape, off, off + gr.valid)
+                     for gr, off in zip(pk.members, pk.offsets)]
+            with TraceAnnotation("zinf/optimizer_update", param=work_name(pk)):
+                self.rule.update_many(spans, runs, g, step=step, lr=lr, mult=mult)
+            items = [(gr.path, gr.shard, runs[0][lo:hi].reshape(self.layouts[gr.path].shard_shape))
+                     for gr, (_, _, lo, hi) in zip(pk.members, spans)]
+            t_adam = time.perf_counter() - t
+            t = time.perf_counter()
+            outs = write_params(items)
+            bs.pending += [f for f in outs if is_future(f)]
+            return t_adam, time.perf_counter() - t
         shards, k = [], 0
         for gr in pk.members:
-            n = len(self._names[gr.path])
+            n = len(names)
             part = grad(gr.path, gr.shard)
             g = self._zero_buffer()[:gr.valid] if part is None else np.asarray(part, np.float32).reshape(-1)
             shards.append((gr.path, self.layouts[gr.path].shape, stored[k:k + n], g))

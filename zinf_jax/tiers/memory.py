@@ -345,6 +345,7 @@ class CpuTier(_MemoryTier):
         super().__init__(max_in_flight_bytes=max_in_flight_bytes)
         self.memory = memory
         self._placement = placement or (lambda i: jax.local_devices()[0])
+        self._run_cache: dict[tuple, tuple[np.ndarray, list[np.ndarray]]] = {}  # share_run's arrays and parts
 
     def _memory_kind(self) -> str | None:
         return None if self.memory == "numpy" else "pinned_host"
@@ -374,6 +375,40 @@ class CpuTier(_MemoryTier):
                 rows[k] = x
                 self._data[(key, index)] = rows[k]
             return rows
+
+    def share_run(self, items: Sequence[tuple[str, int]]) -> np.ndarray | None:
+        """Keeps the 1-D shards ``items`` (one dtype, any sizes) side by side in one flat array, which it returns
+        (``None``: a shard is a row of :meth:`share_rows`'s array, and stays there; a shard of an earlier run
+        moves).
+
+        As :meth:`share_rows`: the shards keep their values, later puts land in place, and asking again for the
+        same items returns the same array while they are still its parts. The array starts on a 64-byte
+        boundary (XLA's CPU client reads it without a copy). The optimizer updates a pack of small shards as
+        one array this way ([Note: optax packs] in :mod:`~zinf_jax.optim.optax_rule`).
+        """
+        key = tuple(items)
+        hit = self._run_cache.get(key)
+        if hit is not None and all(self._data.get(it) is v for it, v in zip(items, hit[1])):
+            return hit[0]
+        specs = [self._check(k, i) for k, i in items]
+        if len({sp.dtype for sp in specs}) != 1 or any(len(sp.shard_shape) != 1 for sp in specs):
+            raise TierError("cpu tier: a run of shards needs 1-D shards of one dtype")
+        with self._numpy_shards(items, "kept side by side") as old:
+            if any(isinstance(x.base, np.ndarray) and x.base.ndim != 1 for x in old):
+                return None
+            n = sum(x.shape[0] for x in old)
+            raw = np.empty(n + 64 // old[0].itemsize, old[0].dtype)
+            off = ((-raw.ctypes.data) % 64) // old[0].itemsize
+            run = raw[off:off + n]
+            views, at = [], 0
+            for item, x in zip(items, old):
+                run[at:at + x.shape[0]] = x
+                views.append(run[at:at + x.shape[0]])
+                self._data[item] = views[-1]
+                at += x.shape[0]
+            self._version += 1  # the same values in new arrays: holders of the old ones read them again
+            self._run_cache[key] = (run, views)
+            return run
 
     def writable(self, items: Sequence[tuple[str, int]]) -> list[np.ndarray]:
         """The stored arrays of these ``(key, index)`` shards, for the caller to write its new values into.
