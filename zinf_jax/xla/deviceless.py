@@ -4,7 +4,9 @@ On the CPU backend a move between host and device memory is a no-op, so a CPU me
 offloaded program is one an accelerator's compiler accepts, what it moves, and whether the moves overlap
 compute. XLA's compilers answer that without the hardware: the CUDA plugin compiles for a GPU described
 by :mod:`zinf_jax.xla.targets`, libtpu's compile-only client for a TPU topology. Both need their wheels at the
-installed jax's version (``scripts/setup_compilers.sh``).
+installed jax's version: ``scripts/setup_compilers.sh`` puts them in ``.venv/xla-compilers``
+(:func:`compilers_dir`), outside the interpreter's import path, so that only the child that compiles loads
+them; installed in site-packages instead, they are found there.
 
 :func:`compile_programs` takes programs lowered on this machine for the target's platform
 (``engine.lower(batch, platforms=("cuda",))``), compiles them in a child process
@@ -24,12 +26,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from zinf_jax.xla import hlo
 from zinf_jax.xla.targets import Target, target as find_target
 
-__all__ = ["CompiledProgram", "compile_programs", "available", "HOST_COMPUTE_WARNINGS"]
+__all__ = ["CompiledProgram", "compile_programs", "available", "compilers_dir", "HOST_COMPUTE_WARNINGS"]
 
 HOST_COMPUTE_WARNINGS = ("does device compute in host memory space", "does not move the tensor back to device",
                          "converted into host compute")
@@ -84,6 +87,25 @@ class CompiledProgram:
         return self.ok and not self.warnings and not hlo.host_compute(self.module)
 
 
+def compilers_dir() -> Path | None:
+    """The folder holding XLA's GPU and TPU compilers apart from site-packages: ``$ZINF_XLA_COMPILERS``, else
+    ``xla-compilers`` in the running environment (``.venv/xla-compilers``, where ``scripts/setup_compilers.sh``
+    puts them); ``None`` if it does not exist."""
+    d = Path(os.environ.get("ZINF_XLA_COMPILERS") or Path(sys.prefix) / "xla-compilers")
+    return d if d.is_dir() else None
+
+
+def _has(*parts: str) -> bool:
+    """Whether the package folder ``parts`` (``"nvidia", "cuda_nvcc"``) is in :func:`compilers_dir` or importable."""
+    d = compilers_dir()
+    if d is not None and d.joinpath(*parts).is_dir():
+        return True
+    try:
+        return importlib.util.find_spec(".".join(parts)) is not None
+    except ImportError:  # a parent package that is not there
+        return False
+
+
 def available(t: Target | str) -> str | None:
     """``None`` if this machine can compile for ``t``, else what to install."""
     t = find_target(t) if isinstance(t, str) else t
@@ -91,19 +113,22 @@ def available(t: Target | str) -> str | None:
 
     v = jax.__version__
     if t.platform == "cuda":
-        if importlib.util.find_spec("jax_plugins") is None or importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
-            return f"the CUDA plugin: pip install jax-cuda12-plugin=={v} jax-cuda12-pjrt=={v} (scripts/setup_compilers.sh)"
-        if importlib.util.find_spec("nvidia.cuda_nvcc") is None:
-            return "ptxas: pip install nvidia-cuda-nvcc-cu12 (scripts/setup_compilers.sh)"
+        if not _has("jax_plugins", "xla_cuda12"):
+            return f"the CUDA plugin: jax-cuda12-plugin=={v} jax-cuda12-pjrt=={v} (scripts/setup_compilers.sh)"
+        if not _has("nvidia", "cuda_nvcc"):
+            return "ptxas: nvidia-cuda-nvcc-cu12 (scripts/setup_compilers.sh)"
         return None
-    if importlib.util.find_spec("libtpu") is None:
-        return f"libtpu: pip install 'jax[tpu]=={v}' (scripts/setup_compilers.sh)"
+    if not _has("libtpu"):
+        return f"libtpu: the one 'jax[tpu]=={v}' pins (scripts/setup_compilers.sh)"
     return None
 
 
 def _env(t: Target) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_FLAGS")}
     env["JAX_PLATFORMS"] = "cpu"  # the compile-only client is made from the topology, not a backend
+    d = compilers_dir()
+    if d is not None:  # the child alone imports the compilers
+        env["PYTHONPATH"] = os.pathsep.join([str(d), *filter(None, [os.environ.get("PYTHONPATH")])])
     if t.platform == "tpu":
         env["TPU_ACCELERATOR_TYPE"] = t.tpu_accelerator_type or ""
         env["TPU_WORKER_HOSTNAMES"] = "localhost"
