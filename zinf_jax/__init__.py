@@ -38,16 +38,18 @@ from typing import Any
 _EXPORTS = {
     "zinf_jax.api": ("Engine", "initialize", "restore"),
     "zinf_jax.engine.hostcheck": ("HostComputeReport", "check_host_compute", "host_compute_report"),
+    "zinf_jax.engine.summary": ("format_step",),
     "zinf_jax.engine.weights": ("TensorMap", "from_safetensors", "TIED_EMBEDDINGS"),
     "zinf_jax.config": ("AioConfig", "LossScaleConfig", "Offload", "OptimizerConfig", "ZeroConfig"),
+    "zinf_jax.config.resolution": ("RunValues",),
     "zinf_jax.errors": ("ZinfError", "ConfigError", "CheckpointError", "ParamMismatchError", "EngineError",
                         "TierError", "TierDataError", "UnitPolicyError", "DistributedError"),
     "zinf_jax.optim": ("adam", "adamw"),
-    "zinf_jax.plan.partition": ("format_table", "make_mesh", "plan_partition"),
+    "zinf_jax.plan.partition": ("ParamLayout", "format_table", "make_mesh", "plan_partition"),
     "zinf_jax.plan.units": ("Plan", "UnitPolicy"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
-_SUBMODULES = ("distributed",)  # public namespaces: zinf.distributed.initialize(...)
+_SUBMODULES = ("distributed", "estimate", "models")  # public namespaces: zinf.distributed.initialize(...)
 
 
 def __getattr__(name: str) -> Any:
@@ -78,13 +80,13 @@ def _version() -> str:
 __version__ = _version()
 
 __all__ = [
-    "distributed",
+    "distributed", "estimate", "models",
     "Engine", "initialize", "restore", "from_safetensors", "TensorMap", "TIED_EMBEDDINGS",
-    "ZeroConfig", "Offload", "AioConfig", "LossScaleConfig", "OptimizerConfig",
+    "ZeroConfig", "Offload", "AioConfig", "LossScaleConfig", "OptimizerConfig", "RunValues",
     "adam", "adamw",
-    "make_mesh", "plan_partition", "format_table",
+    "make_mesh", "plan_partition", "format_table", "ParamLayout",
     "UnitPolicy", "Plan",
-    "check_host_compute", "host_compute_report", "HostComputeReport",
+    "check_host_compute", "host_compute_report", "HostComputeReport", "format_step",
     "ZinfError", "ConfigError", "TierError", "TierDataError", "UnitPolicyError", "ParamMismatchError", "EngineError",
     "CheckpointError", "DistributedError",
 ]

@@ -10,6 +10,7 @@ the tiers (atomically, or in place with a half-updated mark; see
 """
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from pathlib import Path
@@ -29,6 +30,7 @@ from zinf_jax.engine.batching import check_batch, micro_batches, shard_batch
 from zinf_jax.engine.build import Components, build, close_quietly
 from zinf_jax.engine.opt_state import optimizer_state, rule_of
 from zinf_jax.engine.stepping import Loss, Stepper
+from zinf_jax.engine.summary import advice, describe
 from zinf_jax.engine.streamed import ParamLoss
 from zinf_jax.engine.wrap import make_adapter
 from zinf_jax.errors import EngineError
@@ -37,6 +39,8 @@ from zinf_jax.plan.partition import make_mesh, no_mesh
 from zinf_jax.plan.units import UnitPolicy
 
 __all__ = ["initialize", "restore", "Engine", "EngineError", "close_quietly"]
+
+log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -187,6 +191,16 @@ class Engine:
             batch = self.shard_batch(batch)
             glue = self.store.fetch(self.adapter.glue_paths)
             return self.passes.forward(loss_fn or self.loss_fn, batch, glue, has_aux=True)  # as the loss returns it
+
+    def describe(self) -> str:
+        """What the engine decided, in words: the engine, what is sharded and what stays whole (and why), the
+        units, where each tier is and what it holds, how the optimizer runs, and a ``note:`` line for each
+        choice that is probably not what you wanted (nothing sharded; one unit holding most of the model).
+
+        :func:`initialize` and :func:`restore` log the same summary (logger ``zinf_jax``: the summary at INFO,
+        each note at WARNING).
+        """
+        return describe(self.components)
 
     def lower(self, batch: Any, *, program: str = "train", platforms: Sequence[str] | None = None,
               loss_fn: Callable | None = None) -> jax.stages.Lowered:
@@ -473,10 +487,20 @@ def initialize(
       ConfigError, TierError, UnitPolicyError, ParamMismatchError: with a message
         naming the problem and the fix.
     """
-    return _build(model, config=config, mesh=mesh, optimizer=optimizer, init_args=init_args,
-                  init_kwargs=init_kwargs, unit_policy=unit_policy, logical_axis_rules=logical_axis_rules,
-                  init="fresh", loss_fn=loss_fn, has_aux=has_aux, param_loss=param_loss, trainable=trainable,
-                  params=params, track_live_arrays=track_live_arrays)
+    return _announced(_build(model, config=config, mesh=mesh, optimizer=optimizer, init_args=init_args,
+                             init_kwargs=init_kwargs, unit_policy=unit_policy, logical_axis_rules=logical_axis_rules,
+                             init="fresh", loss_fn=loss_fn, has_aux=has_aux, param_loss=param_loss,
+                             trainable=trainable, params=params, track_live_arrays=track_live_arrays))
+
+
+def _announced(engine: Engine) -> Engine:
+    """``engine``, its build summary logged (INFO) with each note of :func:`~zinf_jax.engine.summary.advice` (WARNING:
+    Python shows it even where logging is not set up). Once per engine that opened, with its tiers filled."""
+    if log.isEnabledFor(logging.INFO):
+        log.info("%s", describe(engine.components).split("\nnote: ")[0])
+    for note in advice(engine.components):
+        log.warning("zinf_jax: %s", note)
+    return engine
 
 
 def _build(model: Any, *, config: ZeroConfig | None = None, mesh: Mesh | None = None, optimizer: Any = None,
@@ -518,4 +542,4 @@ def restore(
     except BaseException:
         close_quietly(engine)
         raise
-    return engine
+    return _announced(engine)

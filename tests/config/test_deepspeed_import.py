@@ -399,3 +399,79 @@ def test_accelerate_yaml_without_a_deepspeed_section(tmp_path):
     path.write_text("distributed_type: FSDP\nfsdp_config: {}\n")
     with pytest.raises(ConfigError, match="no deepspeed_config section"):
         ZeroConfig.from_deepspeed(path)
+
+
+# --- the key reference agrees with the importer ------------------------------------------------------
+
+# A value for each key the reference says sets a plain setting, and where the setting lands; the test sets
+# each key alone (with what it needs around it) and reads the setting back.
+_SAMPLES = {
+    "zero_optimization.offload_param.device": ("cpu", "offload_param.device", "cpu"),
+    "zero_optimization.offload_optimizer.device": ("cpu", "offload_optimizer.device", "cpu"),
+    "zero_optimization.offload_optimizer.buffer_count": (7, "offload_optimizer.buffer_count", 7),
+    "zero_optimization.stage3_param_persistence_threshold": (1234, "persistence_threshold", 1234),
+    "zero_optimization.stage3_max_live_parameters": (1000, "max_live_bytes", 4000),
+    "zero_optimization.sub_group_size": (54321, "sub_group_size", 54321),
+    "aio.block_size": (2 << 20, "aio.block_size", 2 << 20),
+    "aio.intra_op_parallelism": (3, "aio.intra_op_parallelism", 3),
+    "bf16.bf16_optimizer_states": (True, "moments_dtype", "bfloat16"),
+    "gradient_clipping": (0.25, "gradient_clipping", 0.25),
+    "gradient_accumulation_steps": (3, "gradient_accumulation_steps", 3),
+    "activation_checkpointing.cpu_checkpointing": (True, "offload_activations", True),
+}
+
+
+def _dotted(obj, path):
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _with_key(key, value):
+    d: dict = {"zero_optimization": {"stage": 3}}
+    if key.startswith("zero_optimization.offload_optimizer.") and not key.endswith("device"):
+        d["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    if key == "bf16.bf16_optimizer_states":
+        d["bf16"] = {"enabled": True}
+    node = d
+    *head, last = key.split(".")
+    for k in head:
+        node = node.setdefault(k, {})
+    node[last] = value
+    return d
+
+
+@pytest.mark.parametrize("key", sorted(_SAMPLES))
+def test_a_key_the_reference_says_is_read_sets_its_setting(key):
+    """The generated DeepSpeed key reference says which setting each key sets; the importer sets exactly that
+    (the case of offload_optimizer.buffer_count, once read as DeepSpeed's default whatever the file said)."""
+    entry = lookup(key)
+    value, field, want = _SAMPLES[key]
+    assert entry is not None and entry.effect == "set" and entry.field == field
+    config, said = _quiet(_with_key(key, value))
+    assert _dotted(config, field) == want
+    assert not any(key in s for s in said), said
+
+
+def test_every_plain_set_key_has_a_sample():
+    """Each key the reference maps to a setting of its own is in _SAMPLES (or derived: a dtype, a schedule, the
+    optimizer section, the batch, a path, a deprecated spelling)."""
+    derived = {"compute_dtype", "schedule", "batch", "offload_param.path", "offload_optimizer.path",
+               "offload_param.buffer_count", "optimizer.name", "optimizer.lr", "optimizer.b1", "optimizer.eps",
+               "optimizer.weight_decay"}
+    for k in KEYS:
+        if k.effect == "set" and k.field and k.field not in derived and not k.field.startswith("loss_scale.") and \
+                k.key not in ("zero_optimization.cpu_offload", "zero_optimization.cpu_offload_param"):
+            assert k.key in _SAMPLES, k.key
+
+
+def test_explain_and_the_warning_agree_on_the_batch_keys(capsys):
+    """With the API (not zinf-jax train), the file's batch keys have no effect: the printed table leaves them out
+    and the warning lists them, once."""
+    d = {"zero_optimization": {"stage": 3}, "train_batch_size": 16}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ZeroConfig.from_deepspeed(d, explain=True)
+    table = capsys.readouterr().out
+    assert "train_batch_size" in " ".join(str(w.message) for w in caught)
+    assert "16 per step" not in table

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import re
 import sys
 
 import pytest
@@ -148,3 +149,54 @@ def test_no_work_log_words():
     hits = [f"{f.relative_to(ROOT)}:{i}: {line.strip()}" for f in files if f.exists() and "_build" not in f.parts
             for i, line in enumerate(f.read_text().splitlines(), 1) if word.search(line)]
     assert not hits, "\n".join(hits)
+
+
+def test_the_guides_byte_figures_are_the_estimators():
+    """offload_memory.md's per-parameter figures in prose agree with the estimator's (the generated table beside
+    them): disk at rest with both tiers on nvme, the optimizer's disk traffic a step, both tiers' traffic."""
+    rows = {(pt, ot, dt): r for pt, ot, dt, *r in zinf_docs.bytes_per_param()}
+    text = (ROOT / "docs" / "guides" / "offload_memory.md").read_text()
+    host, disk, read, write = rows[("nvme", "nvme", "float32")]
+    assert round(disk) == 16 and "the disk holds 16 B/param with float32 compute" in text
+    assert round(rows[("nvme", "nvme", "bfloat16")][1]) == 18 and "18 B/param with bfloat16 compute" in text
+    _, _, opt_read, opt_write = rows[("none", "nvme", "float32")]
+    assert round(opt_read) == round(opt_write) == 16 and "(16 B/param\neach way)" in text
+    assert round(read + write) == 40 and "about 40 B/param with both tiers on nvme" in text
+
+
+def _example_names():
+    """Every zinf_jax name the README's and the docs' Python examples use: ``zinf.X`` and ``from zinf_jax... import
+    X``."""
+    pages = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").rglob("*.md") if "_build" not in p.parts)]
+    used = set()
+    for page in pages:
+        for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.S):
+            used |= {("zinf_jax", n) for n in re.findall(r"\bzinf\.([A-Za-z_]\w*)", block)}
+            for mod, names in re.findall(r"from (zinf_jax(?:\.\w+)*) import ([\w, ()]+)", block):
+                used |= {(mod, n) for n in re.split(r"[,\s()]+", names) if n}
+    return used
+
+
+def test_every_name_in_the_examples_is_in_the_api_reference():
+    """A name a README or docs example uses is documented in the API reference: a public name of ``zinf_jax``, or a
+    public name of one of its documented submodules (``zinf_jax.models``, ``zinf_jax.estimate``...)."""
+    import zinf_jax
+
+    documented = set(zinf_docs.public_names())
+    missing = []
+    for mod, name in sorted(_example_names()):
+        if mod == "zinf_jax":
+            ok = name in documented
+        else:
+            sub = mod.removeprefix("zinf_jax.").split(".")[0]
+            ok = sub in documented and name in getattr(zinf_jax, sub).__all__
+        if not ok:
+            missing.append(f"{mod}.{name}")
+    assert not missing, missing
+
+
+def test_the_cli_help_has_no_docstring_markup():
+    """``zinf-jax --help`` and each command's help (the CLI reference page) read as plain text."""
+    text = zinf_docs.cli_md().replace("```", "")  # the page's own code fences
+    markup = re.search(r".{0,40}(:[a-z]+:`|``).{0,40}", text)
+    assert markup is None, markup.group(0)

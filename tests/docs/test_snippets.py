@@ -10,6 +10,9 @@ Conventions for the blocks (writers of README.md and docs/ follow them):
 * A block that cannot run here (it needs a GPU, several hosts, a download) carries a marker on the
   line directly before its opening fence: ``<!-- notest: <reason> -->``; the reason is required.
   Nothing else skips a block.
+* A ``text`` block with ``<!-- output -->`` on the line directly before its opening fence is what the python
+  block before it prints: the block's standard output must equal it (line by line, trailing spaces aside).
+  Print only what is the same on every run (rounded losses, the build summary), never times or rates.
 * Blocks stay small: tiny models, one or two steps. The whole of ``tests/docs`` stays under 90 s.
 
 Markdown checks (CommonMark, parsed with markdown-it-py): every fence closes where its writer meant
@@ -17,7 +20,9 @@ it to (a closing fence has nothing after it), so no heading ends up inside a cod
 """
 from __future__ import annotations
 
+import contextlib
 import gc
+import io
 import pathlib
 import re
 import textwrap
@@ -27,6 +32,7 @@ from markdown_it import MarkdownIt
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 NOTEST = re.compile(r"^<!-- notest: (\S.*?) -->$")
+OUTPUT = "<!-- output -->"
 FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})(.*)$")
 HEADING = re.compile(r"^ {0,3}#{1,6}(\s|$)")
 
@@ -57,6 +63,31 @@ def blocks(path: pathlib.Path) -> list[tuple[int, str, str | None]]:
     return out
 
 
+def outputs(path: pathlib.Path) -> dict[int, str]:
+    """``{line of a python block: the output it prints}`` from the ``text`` blocks marked ``<!-- output -->``."""
+    text = path.read_text()
+    lines = text.splitlines()
+    out, last = {}, None
+    for tok in MarkdownIt("commonmark").parse(text):
+        if tok.type != "fence":
+            continue
+        kind, start = tok.info.strip().split(" ")[0], tok.map[0]
+        if kind == "python":
+            last = start + 1
+        elif start > 0 and lines[start - 1].strip() == OUTPUT:
+            if kind != "text" or last is None or last in out:
+                raise AssertionError(f"{_rel(path)}:{start}: an output block is a text block after the python "
+                                     "block that prints it (one per python block)")
+            out[last] = tok.content
+    return out
+
+
+def _same_output(got: str, want: str) -> bool:
+    def norm(t: str) -> list[str]:
+        return [l.rstrip() for l in t.strip("\n").splitlines()]
+    return norm(got) == norm(want)
+
+
 FILES = markdown_files()
 
 
@@ -65,15 +96,22 @@ def test_python_blocks_run(path, tmp_path, monkeypatch):
     runnable = [(line, code) for line, code, skip in blocks(path) if skip is None]
     if not runnable:
         pytest.skip("no runnable python block")
+    expected = outputs(path)
     monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": "__docs__"}
     try:
         for line, code in runnable:
+            printed = io.StringIO()
             try:
-                exec(compile(textwrap.dedent(code), f"{_rel(path)}:{line}", "exec"), namespace)
+                with contextlib.redirect_stdout(printed) if line in expected else contextlib.nullcontext():
+                    exec(compile(textwrap.dedent(code), f"{_rel(path)}:{line}", "exec"), namespace)
             except Exception as e:
                 raise AssertionError(f"the python block at {_rel(path)}:{line} fails: "
                                      f"{type(e).__name__}: {e}") from e
+            if line in expected:
+                assert _same_output(printed.getvalue(), expected[line]), (
+                    f"the python block at {_rel(path)}:{line} prints\n{printed.getvalue()}\nnot the output the "
+                    f"page shows after it:\n{expected[line]}")
     finally:
         for value in list(namespace.values()):  # engines left open by a failing block
             if type(value).__name__ == "Engine":
@@ -133,3 +171,13 @@ def test_skip_markers_need_a_reason(tmp_path):
     page.write_text("<!-- notest -->\n```python\nx = 1\n```\n")
     with pytest.raises(AssertionError, match="reason"):
         blocks(page)
+
+
+def test_an_output_block_is_what_its_python_block_prints(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("```python\nprint(1 + 1)\n```\n\n<!-- output -->\n```text\n2\n```\n\n```python\nx = 1\n```\n")
+    assert outputs(page) == {1: "2\n"}
+    assert _same_output("2  \n", "2\n") and not _same_output("3\n", "2\n")
+    page.write_text("<!-- output -->\n```text\n2\n```\n")
+    with pytest.raises(AssertionError, match="after the python block"):
+        outputs(page)

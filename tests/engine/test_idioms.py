@@ -13,7 +13,8 @@ import pytest
 from flax import nnx, traverse_util
 
 import zinf_jax as zinf
-from helpers.idiom_models import (LinenEncDec, LinenLM, LinenResNet, LMConfig, NnxCNN, NnxSowLM, sow_penalty, xent)
+from helpers.idiom_models import (LinenBNMlp, LinenEncDec, LinenLM, LinenResNet, LMConfig, NnxCNN, NnxSowLM, sow_penalty,
+                                  xent)
 from zinf_jax.engine.adapters import leaf_paths
 from zinf_jax.plan.units import path_str
 
@@ -234,6 +235,44 @@ def test_linen_resnet_batch_stats_and_l2_penalty(tmp_path, engine):
                          optimizer=zinf.adamw(LR, eps=EPS, weight_decay=WD, mask=None))
     np.testing.assert_allclose(again.eval_step(images(9), loss_fn=eval_loss), ref_eval, rtol=1e-5)
     again.close()
+
+
+@pytest.mark.parametrize("init_train, engine", [(False, "compiled"), (True, "streamed"),
+                                                pytest.param(True, "compiled", marks=pytest.mark.slow),
+                                                pytest.param(False, "streamed", marks=pytest.mark.slow)])
+def test_linen_batchnorm_and_dropout_follow_the_call(tmp_path, init_train, engine):
+    """``nn.BatchNorm(use_running_average=not train)`` and ``nn.Dropout(deterministic=not train)`` as units of their
+    own, initialised in either mode: training steps normalise with the batch's statistics and update the running
+    averages, evaluation uses them, as plain Flax does (losses, params, batch stats rtol 1e-5). A unit runs in the mode
+    of the call that reaches it, never the one it was initialised in."""
+    module, x0 = LinenBNMlp(), jnp.zeros((8, 8, 8, 1))
+
+    def loss_fn(model, batch):
+        x, y, key = batch
+        logits, _ = model(x, train=True, mutable=["batch_stats"], rngs={"dropout": key})
+        return xent(logits, y)
+
+    def eval_loss(model, batch):
+        return xent(model(batch[0], train=False), batch[1])
+
+    batches = [(*images(s), jax.random.key(7 + s)) for s in range(STEPS)]
+    ref_losses, ref_params, ref_state = linen_reference(module, (x0,), {"train": init_train}, loss_fn, batches,
+                                                        collections=("batch_stats",))
+    eng = zinf.initialize(module, init_args=(x0,), init_kwargs={"train": init_train},
+                          config=nvme(tmp_path, 16, engine), optimizer=zinf.adamw(LR, eps=EPS, weight_decay=WD,
+                                                                                  mask=None), loss_fn=loss_fn)
+    try:
+        assert {"BatchNorm_0", "BatchNorm_1", "Dense_0"} <= {u.path for u in eng.adapter.units}
+        losses = [eng.train_step(b)["loss"] for b in batches]
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        assert_params(eng.param_arrays(), flat_linen(ref_params))
+        got = traverse_util.flatten_dict(eng.model_state()["batch_stats"])
+        for k, v in traverse_util.flatten_dict(ref_state["batch_stats"]).items():
+            np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-6, err_msg=str(k))
+        ref_eval = eval_loss(lambda *a, **k: module.apply({"params": ref_params, **ref_state}, *a, **k), images(9))
+        np.testing.assert_allclose(eng.eval_step(images(9), loss_fn=eval_loss), ref_eval, rtol=1e-5)
+    finally:
+        eng.close()
 
 
 def nnx_reference(ctor, loss_fn, batches, wrt=nnx.Param):

@@ -116,6 +116,23 @@ class LinenResBlock(nn.Module):
         return nn.relu(x + y)
 
 
+class LinenBNMlp(nn.Module):
+    """Dense, BatchNorm and Dropout directly in one compact module, their modes set per call from ``train`` (the
+    Flax docs' idiom): the repeated ``Dense_k`` and ``BatchNorm_k`` children are units, each run in the mode of the
+    call that reaches it."""
+
+    width: int = 128
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = x.reshape(x.shape[0], -1)
+        for _ in range(2):
+            x = nn.Dense(self.width)(x)
+            x = nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5)(x)
+            x = nn.Dropout(0.2, deterministic=not train)(nn.relu(x))
+        return nn.Dense(10)(x)
+
+
 class LinenResNet(nn.Module):
     filters: int = 8
     classes: int = 10

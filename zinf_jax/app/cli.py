@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import sys
 
 from zinf_jax._internal import native_memory
@@ -65,11 +66,19 @@ def field_docs(cls: type) -> dict[str, str]:
     return {n: text for names, text in entries for n in names}
 
 
+def plain(text: str) -> str:
+    """Docstring markup as terminal text: ``:class:`~a.b.C``` as ``C``, ``:mod:`a.b``` as ``a.b``, ````x```` as
+    ``x``."""
+    text = re.sub(r":[a-z]+:`~?([^`<]*?)(?: <[^>]*>)?`", lambda m: m.group(1).rsplit(".", 1)[-1]
+                  if m.group(0).split("`")[1].startswith("~") else m.group(1), text)
+    return text.replace("``", "")
+
+
 def _flag_help(name: str, doc: str, default: object) -> str:
     from zinf_jax.app.checks import allowed
 
     accepts = allowed(name)
-    parts = [(doc.rstrip(".") if doc else name.replace("_", " ")).replace("``", "")]
+    parts = [plain(doc.rstrip(".")) if doc else name.replace("_", " ")]
     if accepts:
         parts.append(f"accepts {accepts}")
     parts.append("default: %(default)s" if default not in (None, "") else "default: none")
@@ -85,7 +94,7 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     from zinf_jax.app.train import TrainArgs
 
     p = sub.add_parser("train", help="train the bundled GPT on CPython's help text (nvme tiers by default)",
-                       description=(TrainArgs.__doc__ or "").split("\n\n")[0])
+                       description=plain((TrainArgs.__doc__ or "").split("\n\n")[0]))
     docs = field_docs(TrainArgs)
     for f in dataclasses.fields(TrainArgs):
         flag = "--" + f.name.replace("_", "-")
@@ -176,7 +185,7 @@ def console_main() -> int:
 
 def make_parser() -> argparse.ArgumentParser:
     """The ``zinf-jax`` argument parser: every subcommand, every flag with its help text."""
-    parser = argparse.ArgumentParser(prog="zinf-jax", description=__doc__, epilog=EXAMPLES,
+    parser = argparse.ArgumentParser(prog="zinf-jax", description=plain(__doc__ or ""), epilog=EXAMPLES,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)

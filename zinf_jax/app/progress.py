@@ -1,12 +1,14 @@
 """The main job's progress display: a live line on a terminal, plain lines in logs (standard library only)."""
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
-from typing import Any, TextIO
+from typing import Any, Iterator, TextIO
 
 from zinf_jax._internal.fmt import human_bytes
 
-__all__ = ["Progress"]
+__all__ = ["Progress", "engine_log"]
 
 
 def _is_tty(out: TextIO) -> bool:
@@ -60,3 +62,22 @@ class Progress:
         """Ends the live line."""
         if self.enabled and self.live and self._drawn:
             self.out.write("\n")
+
+
+@contextlib.contextmanager
+def engine_log(out: TextIO) -> Iterator[None]:
+    """Shows the library's log on ``out`` while the run lasts: the engine's build summary, its notes and what it
+    compiles (logger ``zinf_jax``, INFO and above), each message once."""
+    logger = logging.getLogger("zinf_jax")
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    level, propagate = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # a root handler someone configured would print each message twice
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate

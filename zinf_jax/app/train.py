@@ -38,7 +38,7 @@ from zinf_jax.app.checks import check_args, check_batch
 from zinf_jax.app.job import Job
 from zinf_jax.app.metrics import MetricsLog
 from zinf_jax.app.models import GPT, GPTConfig, batch_at, corpus, lm_loss
-from zinf_jax.app.progress import Progress
+from zinf_jax.app.progress import Progress, engine_log
 from zinf_jax.checkpoint import policies
 from zinf_jax.checkpoint.format import META, is_complete
 from zinf_jax.config import ZeroConfig
@@ -398,9 +398,10 @@ def _run_locked(args: TrainArgs, config: ZeroConfig, run_dir: Path, out: TextIO,
     t0 = time.perf_counter()
     run = None
     try:
-        run = _start(args, config, ckpt, out, job)
+        with engine_log(out):
+            run = _start(args, config, ckpt, out, job)
         stop.check("startup (after building the engine)")
-        with open(job.metrics_path(), "a") as log:
+        with open(job.metrics_path(), "a") as log, engine_log(out):
             _loop(run, log, out, stop, config.seed)
         if stop.requested and not run.losses:
             stop.check("startup (before the first step)")

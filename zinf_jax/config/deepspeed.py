@@ -150,13 +150,14 @@ class _Section:
             raise ConfigError(f"{self.shown}{spelled}: expected a JSON object, got {value!r}")
         return _Section(value, f"{self.prefix}{name}.", self.reader, f"{self.shown}{spelled}.")
 
-    def build(self, cls: type, zinf_prefix: str, **fixed: Any) -> Any:
-        """Builds ``cls`` from ``fixed`` and the keys of this section that the table maps to its fields."""
+    def build(self, cls: type, zinf_prefix: str, defaults: dict[str, Any] | None = None, **fixed: Any) -> Any:
+        """Builds ``cls`` from ``fixed``, the keys of this section that the table maps to its fields, and
+        ``defaults`` for those the section leaves out (DeepSpeed's defaults where they differ from zinf's)."""
         names = {f.name for f in dataclasses.fields(cls)}
         attrs = {e.field[len(zinf_prefix):]: e.key[len(self.prefix):] for e in KEYS
                  if e.field and e.field.startswith(zinf_prefix) and e.key.rpartition(".")[0] + "." == self.prefix}
         attrs = {a: k for a, k in attrs.items() if a in names and a not in fixed}
-        kwargs = dict(fixed)
+        kwargs = {**(defaults or {}), **fixed}
         for attr, key in attrs.items():
             if (value := self.get(key)) is not _ABSENT:
                 kwargs[attr] = value
@@ -248,6 +249,7 @@ def _read(data: Mapping[str, Any], config_cls: type, reader: _Reader) -> Resolut
     # tiers
     param = _offload(zero, "offload_param", "cpu_offload_param", Offload, {}, notes)
     optim = _offload(zero, "offload_optimizer", "cpu_offload", Offload, {"buffer_count": 4}, notes)  # DeepSpeed's
+    # default buffer_count, where the file gives none
     aio = _aio(top, zero, AioConfig, notes)
     # optimizer and schedule
     optimizer, schedule = _optimizer(top, OptimizerConfig, reader)
@@ -271,8 +273,9 @@ def _read(data: Mapping[str, Any], config_cls: type, reader: _Reader) -> Resolut
     return res
 
 
-def _offload(zero: _Section, name: str, old: str, Offload: type, fixed: dict[str, Any], notes: list[str]) -> Any:
-    """``offload_param``/``offload_optimizer``, or DeepSpeed's deprecated boolean spelling of it."""
+def _offload(zero: _Section, name: str, old: str, Offload: type, defaults: dict[str, Any], notes: list[str]) -> Any:
+    """``offload_param``/``offload_optimizer``, or DeepSpeed's deprecated boolean spelling of it (``defaults``:
+    DeepSpeed's values of keys the file leaves out)."""
     flag = zero.get(old, as_other, *BOOL, default=None)
     if flag is not None and name in zero.data:
         raise ConfigError(f"zero_optimization.{old}, zero_optimization.{name}: the deprecated and the new spelling "
@@ -281,8 +284,8 @@ def _offload(zero: _Section, name: str, old: str, Offload: type, fixed: dict[str
         spelled = next(n for n in zero.names(old) if n in zero.data)
         notes.append(f"zero_optimization.{spelled}: {str(flag).lower()} read as {name}.device="
                      f"{'cpu' if flag else 'none'} (DeepSpeed's deprecated spelling)")
-        return Offload("cpu" if flag else "none", **fixed)
-    return zero.section(name).build(Offload, name + ".", **fixed)
+        return Offload("cpu" if flag else "none", **defaults)
+    return zero.section(name).build(Offload, name + ".", defaults)
 
 
 def _aio(top: _Section, zero: _Section, AioConfig: type, notes: list[str]) -> Any:

@@ -327,10 +327,11 @@ class ZeroConfig:
             ``"auto"`` nothing fills (the message names its dotted key and what to give).
         """
         res = cls.resolve_deepspeed(path_or_dict, **run)
+        if res.batch_keys:  # the API's batch is the one train_step is given (zinf-jax train reads the file's)
+            res.no_effect = sorted([*res.no_effect, *res.batch_keys])
+            res.rows = [r for r in res.rows if r.name != "batch"]
         if explain:
             print(res)
-        if res.batch_keys:  # the API's batch is the one train_step is given
-            res.no_effect = sorted([*res.no_effect, *res.batch_keys])
         lines = res.unused_lines()
         if res.schedule is not None and res.config.optimizer is None:
             lines.insert(0, "changes training, not supported here: scheduler (no optimizer section carries it; "

@@ -28,6 +28,7 @@ that its ``memory_analysis`` is at hand (:meth:`CompiledModel.lower`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 import weakref
@@ -55,6 +56,8 @@ from zinf_jax.optim.fused import FusedAdam
 from zinf_jax.plan.model_mesh import ModelMesh
 from zinf_jax.plan.partition import ParamLayout, from_stored, layer_layout
 from zinf_jax.plan.units import Plan, layer_count
+
+log = logging.getLogger(__name__)
 
 __all__ = ["CompiledModel", "GPU_ASYNC_LIMIT", "TransferBudget", "compiler_options"]
 
@@ -604,9 +607,13 @@ class CompiledModel:
         key = (kind, _signature(jax.tree.leaves(args[1:])))
         hit = progs.get(key)
         if hit is None:
+            what = {"fused": "train (with the optimizer's update)", "train": "train", "eval": "eval"}[kind[0]]
+            log.info("compiling the %s step program (once per batch shape and dtype)", what)
+            t0 = time.perf_counter()
             lowered = jax.jit(make()).lower(*args)
             options = self.compiler_options(self.mesh.devices.flat[0].platform)
             hit = progs[key] = (lowered, lowered.compile(compiler_options=options or None))
+            log.info("compiled the %s step program in %.1f s", what, time.perf_counter() - t0)
             self._note_memory(hit[1])
         return hit
 

@@ -22,6 +22,7 @@ the boxes.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import warnings
 from typing import Any, Callable, Hashable, Sequence
@@ -40,6 +41,22 @@ __all__ = ["LinenAdapter"]
 
 TRANSIENT = ("intermediates",)
 """Collections that live for one call (``sow``), never kept as engine state."""
+
+_SIMPLE = (bool, int, float, str, type(None))
+_VARIANT = "\x00mode:"
+"""Joins a unit's method name and its mode's number (:meth:`LinenAdapter._variant`) in the name the hook sees."""
+
+
+def _mode(module: nn.Module) -> tuple:
+    """The attributes of a Linen module that are plain values (``use_running_average``, ``deterministic``,
+    ``dropout_rate``...): what a compact parent sets per call to choose its child's mode."""
+    names = [f.name for f in dataclasses.fields(module) if f.name not in ("parent", "name")]
+    out = []
+    for k in names:
+        v = getattr(module, k, None)
+        if isinstance(v, _SIMPLE) or (isinstance(v, tuple) and all(isinstance(x, _SIMPLE) for x in v)):
+            out.append((k, v))
+    return tuple(out)
 
 
 def _shape_of(x: Any) -> Any:
@@ -176,10 +193,12 @@ class LinenAdapter:
                               stacklevel=3)
             excluded.update(bad)
         self.units, self._clones, self._rel = [], [], []
+        self._modes: list[dict[tuple, int]] = []  # per unit: its modes seen so far, by number (see _variant)
         for uid, up in enumerate(unit_paths):
             rel = [p[len(up):] for p in flat if p[: len(up)] == up]
             self._rel.append(rel)
-            self._clones.append(modules[up].clone(parent=None))
+            self._clones.append([modules[up].clone(parent=None)])
+            self._modes.append({_mode(modules[up]): 0})
             self.units.append(Unit(
                 uid=uid, path=path_str(up), param_paths=tuple(path_str(up + r) for r in rel),
                 nbytes=nbytes_of((flat[up + r].shape, flat[up + r].dtype) for r in rel),
@@ -224,14 +243,36 @@ class LinenAdapter:
             return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         return None
 
-    # Linen modules take their mode as call arguments (``train=False``): ``train`` is
-    # accepted for the common interface and changes nothing; the loss function
-    # given to eval_step passes the module's own flag.
+    # [Note: Linen modes follow the call]
+    # Linen modules take their mode as call arguments (``train=False``), and a compact parent often passes it
+    # on as a child's attribute (``nn.BatchNorm(use_running_average=not train)``, ``nn.Dropout(deterministic=
+    # not train)``). Such a child, when it is a unit, must run with the attributes of the call that reaches
+    # it, not those it had at init: each call's module gives its plain-valued attributes (:func:`_mode`),
+    # each distinct set is a variant of the unit (a clone of that call's module, numbered in order of first
+    # sight), and the hook sees the variant's number in the method name, so each mode has its own program.
+    # ``train`` is accepted for the common interface and changes nothing; the loss function given to
+    # eval_step passes the module's own flag.
+    def _variant(self, uid: int, module: nn.Module) -> int:
+        """The number of ``module``'s mode among unit ``uid``'s (a new one is added)."""
+        mode = _mode(module)
+        n = self._modes[uid].get(mode)
+        if n is None:
+            n = self._modes[uid][mode] = len(self._clones[uid])
+            self._clones[uid].append(module.clone(parent=None))
+        return n
+
+    def _clone(self, uid: int, method: str) -> tuple[nn.Module, str]:
+        """The unit's clone for ``method`` (a variant's number appended by :meth:`_variant`) and the plain name."""
+        name, _, n = method.partition(_VARIANT)
+        return self._clones[uid][int(n or 0)], name
+
     def program_key(self, uid: int, method: str, train: bool = True) -> Hashable:
-        return ("linen", type(self._clones[uid]), repr(self._clones[uid]), tuple(self._rel[uid]), method)
+        clone, name = self._clone(uid, method)
+        return ("linen", type(clone), repr(clone), tuple(self._rel[uid]), method)
 
     def unit_fn(self, uid: int, method: str, train: bool = True) -> Callable:
-        clone, rel = self._clones[uid], self._rel[uid]
+        clone, method = self._clone(uid, method)
+        rel = self._rel[uid]
 
         def fn(full, inputs):
             args, kwargs, cols, rngs, mutable = inputs
@@ -294,7 +335,9 @@ class LinenAdapter:
         cols = {c: v for c, v in ctx.module.variables.items() if c != "params"}
         mutable = scope.mutable if isinstance(scope.mutable, bool) else tuple(
             c for c in (self._state_abstract.keys() | set(TRANSIENT)) if scope.is_mutable_collection(c))
-        out, upd = self.hook(uid, ctx.method_name, (args, kwargs, cols, rngs, mutable))
+        v = self._variant(uid, ctx.module)  # See [Note: Linen modes follow the call]
+        method = ctx.method_name if v == 0 else f"{ctx.method_name}{_VARIANT}{v}"
+        out, upd = self.hook(uid, method, (args, kwargs, cols, rngs, mutable))
         for col, tree in upd.items():
             if scope.is_mutable_collection(col):
                 for name, value in tree.items():

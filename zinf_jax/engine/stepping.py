@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +29,8 @@ from zinf_jax.engine.grads import host_copy
 from zinf_jax.errors import EngineError
 from zinf_jax.optim.driver import NORM_DONE
 from zinf_jax.plan.partition import no_mesh
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from zinf_jax.engine.build import Components
@@ -71,6 +74,7 @@ class Stepper:
         self.c = components
         self._pool: ThreadPoolExecutor | None = None  # its optimizer worker
         self._ordered_for: Any = None  # the plan the optimizer's update order follows
+        self._first = True  # no step has run yet in this process (its programs are compiled on the way)
 
     def step(self, batch: Any, loss: Loss) -> dict[str, Any]:
         """One forward/backward and optimizer step (``Engine.train_step``) of ``loss``, as a transaction (see
@@ -213,6 +217,9 @@ class Stepper:
         k = eng.config.gradient_accumulation_steps
         check_batch(batch)  # before any state changes: an empty batch is refused,
         parts = micro_batches(batch, k)  # and one that does not split
+        if self._first and eng.placement.engine == "streamed":  # the compiled engine says so per program
+            log.info("the first step traces and compiles each unit's programs; later steps reuse them")
+        self._first = False
         # an optimizer step in flight: its norm all-reduce (a collective, across processes) goes first
         eng.gate.wait([NORM_DONE, *eng.adapter.glue_paths])  # See [Note: write gate]
         glue = eng.store.fetch(eng.adapter.glue_paths)
