@@ -12,8 +12,8 @@ class                       raised when                                CLI exit
 =========================== =========================================  ============
 :class:`ConfigError`        a setting is missing, mistyped, out of     2
                             range, or conflicts with another
-:class:`UnitPolicyError`    the unit policy leaves a large parameter   2
-                            outside every unit
+:class:`UnitPolicyError`    a unit holds parameters that are           2
+                            inconsistent (persistent and not)
 :class:`ParamMismatchError` pretrained values or a tier's contents do  2
                             not match the model
 :class:`TierError`          a tier cannot do what was asked (path,     2
@@ -59,7 +59,7 @@ class ConfigError(ZinfError, ValueError):
 
 
 class UnitPolicyError(ZinfError, ValueError):
-    """The unit policy leaves a large parameter outside every unit, or is inconsistent."""
+    """The unit policy is inconsistent: a unit holds persistent parameters and others."""
 
 
 class ParamMismatchError(ZinfError, ValueError):

@@ -491,7 +491,7 @@ def estimate_from_model(
                    + (False,) * sum(n or 0 for n in layers)),
         unit_grad=unit(lambda p: 4 * local[p] * (p in trained)),
         calls=tuple((u, b // P + r * n_local) for u, b, r in calls), rests=rests * n_local,
-        glue=sum(layouts[p].bytes_per_device(dtype_of(p)) * n_local for p in adapter.glue_paths),
+        glue=sum(layouts[p].size * item[p] * n_local for p in adapter.glue_paths),  # gathered for the step
         store=sum(item[p] * local[p] for p in layouts),
         store_sharded=sum(item[p] * local[p] for p, lay in layouts.items() if lay.dim is not None),
         store_disk=sum(on_disk(layouts[p].shard_shape, item[p]) * shards[p] for p in layouts),

@@ -13,8 +13,8 @@ import pytest
 from flax import nnx, traverse_util
 
 import zinf_jax as zinf
-from helpers.idiom_models import (LinenBNMlp, LinenEncDec, LinenLM, LinenResNet, LMConfig, NnxCNN, NnxSowLM, sow_penalty,
-                                  xent)
+from helpers.idiom_models import (LinenBNMlp, LinenEncDec, LinenLM, LinenResNet, LinenRnnSeq, LMConfig, NnxCNN,
+                                  NnxRootTable, NnxSowLM, NnxWhisperLike, sow_penalty, xent)
 from zinf_jax.engine.adapters import leaf_paths
 from zinf_jax.plan.units import path_str
 
@@ -416,3 +416,57 @@ def test_eval_step_returns_what_its_loss_returns():
     loss, aux = eng.eval_step(images(1))
     assert aux == {"n": 8}
     eng.close()
+
+
+@pytest.mark.parametrize("engine", ["compiled", "streamed"])
+@pytest.mark.parametrize("name", ["root table", "stem beside the blocks"])
+def test_nnx_parameters_outside_every_unit_belong_to_the_root(tmp_path, name, engine):
+    """A large parameter in no unit (a DiT's table on the model itself; a Whisper encoder's stem beside its unit
+    blocks) belongs to the root, as in FSDP2: sharded in its tier, gathered for the step. Losses and params equal
+    plain nnx.jit + optax (compiled: cpu tiers; streamed: nvme)."""
+    ctor, root = {"root table": (lambda: NnxRootTable(rngs=nnx.Rngs(0)), ["pos_embed"]),
+                  "stem beside the blocks": (lambda: NnxWhisperLike(rngs=nnx.Rngs(0)),
+                                             ["encoder/conv1/kernel", "encoder/conv2/kernel"])}[name]
+
+    def loss_fn(model, batch):
+        return xent(model(batch[0]), batch[1])
+
+    batches = [images(s) for s in range(STEPS)]
+    ref_losses, ref_model = nnx_reference(ctor, loss_fn, batches)
+    eng = zinf.initialize(ctor, config=nvme(tmp_path, 256, engine),
+                          optimizer=zinf.adamw(LR, eps=EPS, weight_decay=WD, mask=None), loss_fn=loss_fn)
+    try:
+        for p in root:
+            assert p in eng.adapter.glue_paths and eng.layouts[p].kind != "persistent", p
+        assert "outside every unit" in eng.describe()
+        losses = [eng.train_step(b)["loss"] for b in batches]
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        assert_params(eng.param_arrays(), flat_nnx(nnx.state(ref_model, nnx.Param)))
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("engine", ["compiled", "streamed"])
+def test_linen_rnn_cells_run_under_their_scan(tmp_path, engine):
+    """``nn.RNN`` runs its cell through a lifted scan: the cell is never a unit alone (no warning); the module
+    that runs the scan holds the cell as a unit, and a cell on the root belongs to the root. Equal to plain Linen."""
+    module, x0 = LinenRnnSeq(), jnp.zeros((8, 8, 8, 1))
+
+    def loss_fn(model, batch):
+        return xent(model(batch[0]), batch[1])
+
+    batches = [images(s) for s in range(STEPS)]
+    ref_losses, ref_params, _ = linen_reference(module, (x0,), {}, loss_fn, batches)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "cannot run as a unit" warning for a lifted cell
+        eng = zinf.initialize(module, init_args=(x0,), config=nvme(tmp_path, 256, engine),
+                              optimizer=zinf.adamw(LR, eps=EPS, weight_decay=WD, mask=None), loss_fn=loss_fn)
+    try:
+        units = {u.path for u in eng.adapter.units}
+        assert "LinenRnnEncoder_0" in units and not any("Cell" in u for u in units), units
+        assert "GRUCell_0/hn/kernel" in eng.adapter.glue_paths
+        losses = [eng.train_step(b)["loss"] for b in batches]
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        assert_params(eng.param_arrays(), flat_linen(ref_params))
+    finally:
+        eng.close()

@@ -212,3 +212,77 @@ def sow_penalty(model):
     """The mean square of every sown attention output (an auxiliary loss over intermediates)."""
     inter = nnx.pop(model, nnx.Intermediate)
     return sum(jnp.mean(h ** 2) for h in jax.tree.leaves(inter))
+
+
+class NnxRootTable(nnx.Module):
+    """A DiT-like table on the model itself (a learned position embedding, 8 x 64 elements), beside the blocks:
+    above the tests' persistence threshold and in no unit, it belongs to the root."""
+
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.pos_embed = nnx.Param(jax.random.normal(rngs.params(), (8, 64)) * 0.02)
+        self.proj = nnx.Linear(8, 64, rngs=rngs)
+        self.blocks = nnx.List([NnxPlainBlock(64, rngs) for _ in range(2)])
+        self.head = nnx.Linear(64, 10, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.proj(x.reshape(x.shape[0], 8, 8)) + self.pos_embed[...]
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h.mean(1))
+
+
+class NnxPlainBlock(nnx.Module):
+    def __init__(self, d: int, rngs: nnx.Rngs):
+        self.up, self.down = nnx.Linear(d, 2 * d, rngs=rngs), nnx.Linear(2 * d, d, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(jax.nn.gelu(self.up(x)))
+
+
+class NnxStemEncoder(nnx.Module):
+    """A Whisper-like encoder: a convolution stem next to the blocks inside the same parent (``encoder``), which
+    is no unit because its blocks are: the stem's kernels belong to the root."""
+
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.conv1 = nnx.Conv(1, 32, (3, 3), rngs=rngs)
+        self.conv2 = nnx.Conv(32, 32, (3, 3), rngs=rngs)
+        self.blocks = nnx.List([NnxPlainBlock(32, rngs) for _ in range(2)])
+
+    def __call__(self, x):
+        h = jax.nn.gelu(self.conv2(jax.nn.gelu(self.conv1(x))))
+        h = h.reshape(h.shape[0], -1, h.shape[-1])
+        for b in self.blocks:
+            h = b(h)
+        return h
+
+
+class NnxWhisperLike(nnx.Module):
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.encoder = NnxStemEncoder(rngs=rngs)
+        self.head = nnx.Linear(32, 10, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(self.encoder(x).mean(1))
+
+
+class LinenRnnEncoder(nn.Module):
+    """A module that runs an ``nn.RNN`` over its own LSTM cell (Flax's seq2seq example): the cell runs under the
+    RNN's lifted scan, never alone; this module, which runs the scan, holds the cell's parameters as a unit."""
+
+    hidden: int = 32
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.RNN(nn.LSTMCell(self.hidden))(nn.Dense(self.hidden)(x))
+
+
+class LinenRnnSeq(nn.Module):
+    """The encoder above, then a GRU cell run by an ``nn.RNN`` on the root (its parameters belong to the root)
+    and a head."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = x.reshape(x.shape[0], 8, 8)
+        h = LinenRnnEncoder()(x)
+        h = nn.RNN(nn.GRUCell(32))(h)
+        return nn.Dense(10)(h[:, -1])

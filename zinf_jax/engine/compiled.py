@@ -527,10 +527,17 @@ class CompiledModel:
                                   "(e.g. jnp.mean) — nothing was applied")
             g_trained, g_glue = vjp(jnp.full_like(loss, scale))
             g_trained = [self._grad_out(slots, slot, g, k) for slot, g, k in zip(slots.trained, g_trained, kinds)]
-            g_glue = [jax.lax.with_sharding_constraint(g, self._rep) for g in g_glue]  # one copy each (stepping)
+            g_glue = [jax.lax.with_sharding_constraint(g, self._glue_grad_sharding(path))  # see stepping
+                      for path, g in zip(self.adapter.glue_paths, g_glue)]
             return loss, aux, new_state, batch_state, g_trained, g_glue
 
         return step
+
+    def _glue_grad_sharding(self, path: str) -> NamedSharding:
+        """A glue parameter's gradient leaves the program as the parameter is stored: one copy of a persistent one
+        (replicated), a sharded one reduce-scattered (a large parameter of the root: [Note: the root's parameters])."""
+        lay = self.store.layouts[path]
+        return self._rep if lay.kind == "persistent" else NamedSharding(self.mesh, lay.spec)
 
     def _fused_paths(self, slots: Slots) -> tuple[list[list[str]], list[int], list[str]]:
         """The paths of each trained argument, the trained glue parameters' positions, and all those paths."""

@@ -159,11 +159,14 @@ class LinenAdapter:
         self._init_trace: InitTrace | None = None  # the initialisers, traced at the first init_params
         seen: dict[tuple, nn.Module] = {}
         calls: dict[tuple, tuple[str, Any, Any]] = {}
+        lifted: dict[tuple, str] = {}  # modules run by a lifted transform of their parent: never units alone
 
         def record(next_fun, args, kwargs, ctx):
             path = tuple(ctx.module.scope.path)
             seen.setdefault(path, ctx.module)
-            if ctx.method_name != "setup":
+            if not hasattr(type(ctx.module), ctx.method_name):  # nn.RNN's cell, run by the RNN's nn.scan as scan_fn
+                lifted.setdefault(path, f"it runs inside a lifted transform of its parent ({ctx.method_name})")
+            elif ctx.method_name != "setup":
                 calls.setdefault(path, (ctx.method_name, jax.tree.map(_shape_of, args), jax.tree.map(_shape_of, kwargs)))
             return next_fun(*args, **kwargs)
 
@@ -179,7 +182,7 @@ class LinenAdapter:
         self._state_abstract = {c: meta.unbox(v) for c, v in variables.items() if c != "params" and c not in TRANSIENT}
         sizes = {p: int(v.size) for p, v in flat.items()}
         modules = {p: seen[p] for p in sorted(seen, key=len)}
-        excluded: dict[tuple, str] = {}
+        excluded: dict[tuple, str] = dict(lifted)  # their parameters belong to an enclosing unit or to the root
         while True:
             unit_paths = select_units(modules, sizes, policy, threshold,
                                       is_embedding=lambda m: isinstance(m, nn.Embed), exclude=set(excluded),
@@ -189,7 +192,8 @@ class LinenAdapter:
                 break
             for up, why in bad.items():
                 warnings.warn(f"zinf_jax: Linen module {path_str(up)!r} cannot run as a unit on its own ({why}); "
-                              "its parameters are streamed with the units inside it or kept outside every unit",
+                              "its parameters belong to the units inside it, or else to the root (gathered for "
+                              "the whole step)",
                               stacklevel=3)
             excluded.update(bad)
         self.units, self._clones, self._rel = [], [], []
@@ -241,6 +245,8 @@ class LinenAdapter:
             return None  # an RNG stream the check does not know: the unit gets the caller's streams
         except flax_errors.FlaxError as e:  # variables it reaches outside its own subtree
             return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        except (AttributeError, TypeError, ValueError) as e:  # a module that runs only under its parent's transform
+            return f"applied alone it fails: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
         return None
 
     # [Note: Linen modes follow the call]

@@ -232,8 +232,12 @@ class Stepper:
                     accumulate=i > 0 or after is not None, before_backward=after if i == 0 else None,
                 )
                 for path, g in zip(eng.adapter.glue_paths, g_glue):
-                    if path in eng.trainable:  # replicated: one copy
+                    if path not in eng.trainable:
+                        continue
+                    if eng.layouts[path].kind == "persistent":  # replicated: one copy
                         eng.passes.sink.add_local(path, 0, host_copy(g.addressable_data(0)))
+                    else:  # a large parameter of the root, in its shards
+                        eng.passes.sink.add(path, g)
                 losses.append(float(loss))
                 auxes.append(aux)
         except BaseException:

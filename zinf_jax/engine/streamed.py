@@ -345,13 +345,19 @@ class StreamedModel:
                       for x, g in zip(glue, cts[:len(glue)])]
             if self.param_loss is not None:
                 g_glue = [a + b for a, b in zip(g_glue, pen_vjp(seed)[0])]
-            rep = NamedSharding(self.mesh, P())  # the model's own code may leave them split (tensor parallelism)
-            g_glue = [g if g.sharding.is_fully_replicated else jax.device_put(g, rep) for g in g_glue]
+            # as the parameter is stored: one copy of a persistent one (the model's own code may leave it split, by
+            # tensor parallelism), a sharded one in its shards ([Note: the root's parameters] in zinf_jax.plan.units)
+            g_glue = [self._as_stored(path, g) for path, g in zip(self.adapter.glue_paths, g_glue)]
         finally:
             self._end(p)
         self.state = new_state
         self.adapter.update_batch(batch, batch_state)
         return loss, aux, g_glue
+
+    def _as_stored(self, path: str, g: jax.Array) -> jax.Array:
+        lay = self.store.layouts[path]
+        want = NamedSharding(self.mesh, P() if lay.kind == "persistent" else lay.spec)
+        return g if g.sharding.is_equivalent_to(want, g.ndim) else jax.device_put(g, want)
 
     def forward(self, loss_fn: Callable, batch: Any, glue: Sequence[jax.Array], *, has_aux: bool,
                 train: bool = False) -> tuple[Any, Any]:

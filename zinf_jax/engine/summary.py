@@ -107,6 +107,14 @@ def advice(components: Any) -> list[str]:
         out.append(f"nothing is sharded: every parameter has fewer than persistence_threshold "
                    f"({c.config.persistence_threshold:,}) elements, so each device holds the whole model and its "
                    "gradients; lower ZeroConfig(persistence_threshold=...) to shard them")
+    root = [p for p in c.adapter.glue_paths if lays[p].kind != "persistent"]
+    if root:  # [Note: the root's parameters] in zinf_jax.plan.units
+        owners = sorted({p.rsplit("/", 1)[0] for p in root if "/" in p})
+        fix = (f"UnitPolicy(patterns={tuple(owners)!r}) makes their modules units" if owners else
+               "a submodule that is a unit would hold them")
+        out.append(f"{len(root)} parameters above persistence_threshold are outside every unit ({', '.join(root[:4])}"
+                   f"{', ...' if len(root) > 4 else ''}): sharded, and gathered on every device for the whole step "
+                   f"({human_bytes(sum(_bytes_of(lays[p]) for p in root))}); {fix}")
     total = sum(_bytes_of(l) for l in lays.values())
     units = list(c.adapter.units)
     if total and len(units) > 1:

@@ -4,8 +4,9 @@ A *unit* is a submodule whose parameters are fetched, gathered and released
 together. :class:`UnitPolicy` picks them; the default takes each repeated block
 (an item of an ``nnx.List`` or a Linen child named ``Block_0, Block_1, ...``),
 each embedding, and every other top-level child larger than the persistence
-threshold (the head). Parameters outside every unit stay on device when they are
-small; a large one outside every unit is an error naming a policy that covers it.
+threshold (the head). Parameters outside every unit belong to the root: small ones
+stay on every device, large ones are sharded like a unit's and gathered for the
+whole step (see [Note: the root's parameters]).
 
 The order of unit calls, found by one abstract trace, is a :class:`Plan`: plain
 data that drives prefetching and can be printed.
@@ -125,8 +126,7 @@ def select_units(
       Unit module paths in depth-first order.
 
     Raises:
-      UnitPolicyError: a parameter larger than ``threshold`` is in no unit, or a unit holds some
-        persistent parameters and some that are not.
+      UnitPolicyError: a unit holds some persistent parameters and some that are not.
     """
     kept = persistent_paths([path_str(p) for p in param_sizes], persistent)
 
@@ -162,7 +162,6 @@ def select_units(
                     and not any(c[:1] == path for c in chosen)):
                 if size_under(path) > threshold:
                     chosen.append(path)
-    covered = [p for p in param_sizes if any(p[: len(c)] == c for c in chosen)]
     for c in chosen:
         mixed = [path_str(p) for p in param_sizes if p[: len(c)] == c and path_str(p) in kept]
         if mixed:
@@ -170,17 +169,19 @@ def select_units(
                 f"persistent_params selects {mixed[:3]} inside the unit {path_str(c)!r}, which also holds parameters "
                 "that are not persistent; a unit is gathered and released whole: select all of its parameters "
                 f"(e.g. {path_str(c) + '/.*'!r}), or make the persistent ones a module outside it")
-    for p, s in param_sizes.items():
-        if p not in covered and s > threshold and path_str(p) not in kept:
-            owner = path_str(p[:-1])
-            fix = (f"cover it with a unit policy such as UnitPolicy(patterns=({owner!r},))" if owner
-                   else "move it into a submodule that is a unit")
-            raise UnitPolicyError(
-                f"parameter {path_str(p)!r} ({s:,} elements) is outside every unit and larger than "
-                f"persistence_threshold={threshold:,}; {fix}, or raise the persistence threshold"
-            )
     order = {p: i for i, p in enumerate(modules)}
     return sorted(chosen, key=lambda p: order.get(p, 0))
+
+
+# [Note: the root's parameters]
+# A parameter that no unit holds belongs to the root, as in FSDP2 (whose root module owns every parameter no
+# child's fully_shard owns): a frozen table on the model itself (a DiT's pos_embed), a stem beside the unit
+# blocks inside their parent (a Whisper encoder's convolutions), a cell run by a lifted scan. Under
+# persistence_threshold it stays whole on every device, as always. A larger one is partitioned like a unit's
+# parameter (its tier holds shards; its gradient leaves the step reduce-scattered into them) and is gathered
+# for the whole step: the engines pass the root's parameters to the loss as they are stored and XLA gathers a
+# sharded one where the model uses it. The device holds it whole for the step, so the estimator counts it
+# whole, and the build summary names such parameters with the unit policy that would make them a unit.
 
 
 @dataclasses.dataclass(frozen=True)
