@@ -41,7 +41,9 @@ from zinf_jax.engine.host_budget import buffer_set_bytes, buffer_sets
 from zinf_jax.engine.wrap import make_adapter, trainable_paths
 from zinf_jax.estimate_step import StepDigest, simulate, step_io, trace_calls
 from zinf_jax.optim.choose import with_clipping
-from zinf_jax.optim.fused import MOVE_IN_AHEAD
+from zinf_jax.errors import ConfigError
+from zinf_jax.optim.choose import choose_optimizer
+from zinf_jax.optim.fused import MOVE_IN_AHEAD, update_in_program
 from zinf_jax.optim.grads_out import IN_RAM_BELOW, ram_bytes
 from zinf_jax.optim.rules import WholeSets, rule_for, whole_sets
 from zinf_jax.optim.subgroups import PACK_BELOW, PACK_ELEMENTS, pool_geometry, sub_groups
@@ -121,6 +123,10 @@ class MemoryEstimate:
         CPU mesh the devices' saved activations and XLA working set (0 on an accelerator).
       host_pinned_bytes: the part of the host bytes the compiled step keeps in pinned host memory (a GPU
         runtime's pinned pool: :mod:`zinf_jax.plan.pinned`); the rest of ``host_bytes`` is pageable.
+      optimizer_in_program: the compiled step runs the optimizer's update (as the engine decides:
+        :func:`zinf_jax.optim.fused.update_in_program`).
+      refusal: why :func:`zinf_jax.initialize` refuses this configuration (the message of its ``ConfigError``),
+        else ``None``; a refused configuration never fits.
     """
 
     param_tier: str
@@ -146,6 +152,8 @@ class MemoryEstimate:
     host_plan: HostPlan | None = None
     host_pinned_bytes: int = 0
     step_host_bytes: int = 0
+    optimizer_in_program: bool = False
+    refusal: str | None = None
 
     @property
     def planned_host_bytes(self) -> int:
@@ -229,8 +237,8 @@ class MemoryEstimate:
                 "nvme": r["nvme"] <= machine.disk_bytes}
 
     def fits(self, machine: Machine) -> bool:
-        """Whether every tier fits ``machine`` (see :meth:`fits_tiers`)."""
-        return all(self.fits_tiers(machine).values())
+        """Whether every tier fits ``machine`` (see :meth:`fits_tiers`) and the engine accepts the configuration."""
+        return self.refusal is None and all(self.fits_tiers(machine).values())
 
 
 def _moment_bytes(config: ZeroConfig) -> int:
@@ -247,12 +255,18 @@ def _estimate(d: StepDigest, config: ZeroConfig, pt: str, ot: str, platform: str
     if pt not in ("none", "cpu", "nvme") or ot not in ("none", "cpu", "nvme"):
         raise ValueError(f"configuration ({pt!r}, {ot!r}): param tier none|cpu|nvme, optimizer tier none|cpu|nvme")
     where = place(config, d.compute_dtype, param_device=pt, optimizer_device=ot)  # what the engine would open
+    refusal = None
+    try:  # where the update runs, as the engine decides it
+        in_program = update_in_program(d.optimizer if d.optimizer is not None else choose_optimizer(None, config),
+                                       config, where, compute_dtype=d.compute_dtype, largest_shard=d.largest_shard)
+    except ConfigError as e:
+        refusal, in_program = str(e), False
     grads_out = where.grads_out  # See [Note: scratch gradients]
     shared = where.shared_master  # See [Note: shared fp32 master]
     stream, host_fb = simulate(d, config.prefetch_depth, config.max_live_bytes, where.activations, grads_out)
     on_dev, cpu_p, cpu_o = d.store if pt == "none" else 0, d.store if pt == "cpu" else 0, d.opt if ot == "cpu" else 0
     # optimizer_update="device": the whole state is on the devices during the step (read ahead of its puts)
-    moved_in = config.optimizer_update == "device" and ot != "none" and pt == "none" and where.engine == "compiled"
+    moved_in = in_program and ot != "none"
     fixed = {"unit_state": d.rests, "persistent_params": d.glue,
              "optimizer_state": d.opt if ot == "none" or moved_in else 0}
     dev = {**stream, **fixed, "param_tier": on_dev}  # the stream's peak; the optimizer step adds nothing on device
@@ -306,7 +320,7 @@ def _estimate(d: StepDigest, config: ZeroConfig, pt: str, ot: str, platform: str
         n_devices=d.n_local, n_processes=d.n_processes, compute_dtype=d.compute_dtype, params=d.params,
         engine=where.engine, step_read_bytes=read, step_write_bytes=write, step_pass_read_bytes=pass_read,
         step_pass_write_bytes=pass_write, step_flops=flops, platform=platform, host_plan=host_plan,
-        step_host_bytes=step_host, host_pinned_bytes=pinned.total)
+        step_host_bytes=step_host, host_pinned_bytes=pinned.total, optimizer_in_program=in_program, refusal=refusal)
 
 
 def estimate_from_sizes(
@@ -382,7 +396,7 @@ def estimate_from_sizes(
         grad_ram=grad_ram, grad_disk=grad_out and grad_out + (12 * layers + 3 + untied) * _KEY_METADATA_BYTES,
         grad_io=grad_out,
         **_pool(config, [(shard, max(1, (params // P) // max(shard, 1)))]),
-        assembly=4 * shard if shard > chunk else 0,
+        assembly=4 * shard if shard > chunk else 0, largest_shard=shard,
         param_meta=(12 * layers + 3 + untied) * _KEY_METADATA_BYTES, workspace=int(workspace),
         forward_flops=2 * batch * seq * (layers * block + 2 * layers * seq * h + vocab * h))  # + QK^T and AV
     return [_estimate(d, config, pt, ot, platform) for pt, ot in configurations]
@@ -511,7 +525,8 @@ def estimate_from_model(
         assembly=4 * max((numel[p] for p in trained if n_chunks[p] > 1), default=0),
         param_meta=sum(_KEY_METADATA_BYTES + len(p) + 3 * shards[p] for p in layouts),
         workspace=3 * out // (P * n_local),  # the largest unit output (logits): itself, f32 copy, cotangent
-        forward_flops=flops, whole=whole)
+        forward_flops=flops, whole=whole, largest_shard=max(numel.values(), default=0),
+        optimizer=choose_optimizer(optimizer, config))
     return [_estimate(d, config, pt, ot, platform) for pt, ot in configurations]
 
 
@@ -572,12 +587,14 @@ def format_report(estimates: Sequence[MemoryEstimate], machine: Machine | None =
             step = (f"{e.step_seconds(device_tflops, disk_gbps)['step']:.2f}" if disk_gbps or not e.uses_disk
                     else "needs --disk-gbps")
             traffic += [f"{e.compute_seconds(device_tflops):.2f}", step]
-        rows.append([e.param_tier, e.optimizer_tier, e.engine] + [human_bytes(req[t]) + mark(t) for t in ("device", "host", "nvme")]
-                    + traffic + (["✓" if all(ok.values()) else "✗"] if machine else []))
+        rows.append([e.param_tier, e.optimizer_tier, e.engine if e.refusal is None else "refused"]
+                    + [human_bytes(req[t]) + mark(t) for t in ("device", "host", "nvme")]
+                    + traffic + (["✓" if e.fits(machine) else "✗"] if machine else []))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.rjust(w) if i > 2 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "-" * len(lines[0]))
     e = estimates[0] if estimates else None
     lines += [f"{e.params:,} params, {e.compute_dtype}, {e.n_devices} devices x {e.n_processes} process(es); zinf "
               "state + overheads; device per device, host and nvme per process"] if e else []
+    lines += [f"refused ({r.param_tier}, {r.optimizer_tier}): {r.refusal}" for r in estimates if r.refusal]
     return "\n".join(lines)

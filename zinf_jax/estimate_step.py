@@ -104,6 +104,8 @@ class StepDigest:
     workspace: int  # XLA working set per device (transient guess)
     forward_flops: int  # matrix products of one forward over the whole job's batch
     whole: WholeSets = WholeSets()  # the optimizer's whole-tensor parameters' buffers (optim.rules.whole_sets)
+    largest_shard: int = 0  # elements of the largest parameter shard (whether the update fits the step's program)
+    optimizer: Any = None  # the optimizer as the engine takes it (zinf's Adam or an optax transform; None: Adam)
 
 
 def simulate(d: StepDigest, depth: int, max_live: int | None, activations: str, grads_out: bool) -> tuple[dict, dict]:

@@ -36,11 +36,10 @@ from zinf_jax.engine.store import ParamStore, local_indices_of
 from zinf_jax.engine.compiled import CompiledModel
 from zinf_jax.engine.streamed import ParamLoss, StreamedModel
 from zinf_jax.engine.wrap import trainable_paths
-from zinf_jax.errors import ConfigError
 from zinf_jax.optim.choose import loss_scaling, with_clipping
 from zinf_jax.optim.driver import StreamedOptimizer
 from zinf_jax.optim.rules import rule_for, whole_sets
-from zinf_jax.optim.fused import FusedAdam, fused_refusal
+from zinf_jax.optim.fused import FusedAdam, update_in_program
 from zinf_jax.plan.model_mesh import ModelMesh
 from zinf_jax.plan.partition import (ParamLayout, auto_axes, local_shard_devices, model_axes_of, owns_shard,
                                      plan_partition, split_local)
@@ -163,19 +162,8 @@ def build(adapter: Any, *, config: ZeroConfig, mesh: Mesh, optimizer: Any, init:
         return owns_shard(mesh, layouts[path], index, config.zero_axes)
 
     scaling = loss_scaling(config, compute_dtype)
-    on_device = config.optimizer_update == "device"
-    why = fused_refusal(  # None: the compiled step runs the update too (optim/fused.py)
-        spec, compiled=where.engine == "compiled", param_tier=where.params.device,
-        opt_tier=where.optimizer.device, accumulation=config.gradient_accumulation_steps,
-        loss_scaling=scaling is not None, grad_tier=where.grads is not None,
-        largest_shard=max((math.prod(l.shard_shape) for l in layouts.values()), default=0),
-        sub_group_size=config.sub_group_size, update_on_device=on_device)
-    if why is not None and on_device and where.optimizer.device != "none":
-        detail = (f"the update cannot run in the step's program with {why}. Fix: change that, or "
-                  "optimizer_update='host' (the streamed CPU update)")
-        raise ConfigError(f"ZeroConfig.optimizer_update='device': {detail}", field="optimizer_update",
-                          detail=detail)
-    fused = why is None
+    fused = update_in_program(spec, config, where, compute_dtype=compute_dtype,  # the compiled step runs the update
+                              largest_shard=max((math.prod(l.shard_shape) for l in layouts.values()), default=0))
     n_idx = len(local)
     check_pinned_pool(pinned_of(layouts, [u.param_paths for u in adapter.units], trained, n_idx=n_idx, where=where,
                                 compute_dtype=compute_dtype, fused=fused), jax.devices()[0].platform)

@@ -39,7 +39,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from zinf_jax.config import ConfigError, ZeroConfig
 from zinf_jax.optim.adam import AdamSpec, adam_math, bias_correction
+from zinf_jax.optim.choose import loss_scaling
 from zinf_jax.optim.driver import StreamedOptimizer
 from zinf_jax.optim.fused_optax import from_flat, optax_update, small_leaves, to_flat
 from zinf_jax.optim.kernel import AdamCoefficients
@@ -47,7 +49,7 @@ from zinf_jax.optim.scaling import update_loss_scale
 from zinf_jax.plan.partition import local_positions
 from zinf_jax.tiers.base import np_dtype
 
-__all__ = ["FusedAdam", "fused_refusal", "to_flat", "from_flat", "MOVE_IN_AHEAD"]
+__all__ = ["FusedAdam", "fused_refusal", "update_in_program", "to_flat", "from_flat", "MOVE_IN_AHEAD"]
 
 MOVE_IN_AHEAD = 256 << 20
 """Host bytes of optimizer state read ahead of their put to the devices (``optimizer_update="device"``)."""
@@ -80,6 +82,34 @@ def fused_refusal(spec: Any, *, compiled: bool, param_tier: str, opt_tier: str, 
     if largest_shard > sub_group_size:
         return f"sub_group_size {sub_group_size} cuts a shard of {largest_shard} elements"
     return None
+
+
+def update_in_program(spec: Any, config: ZeroConfig, where: Any, *, compute_dtype: str, largest_shard: int) -> bool:
+    """Whether the compiled step runs the optimizer's update (:func:`fused_refusal` is ``None``): the one place the
+    engine (``build``) and the estimator ask.
+
+    Args:
+      spec: the optimizer (zinf's Adam or an optax transform).
+      config: the engine's settings (``optimizer_update``, accumulation, ``sub_group_size``, loss scaling).
+      where: the engine's :class:`~zinf_jax.plan.placement.Placement`.
+      compute_dtype: the resolved compute dtype (float16 turns loss scaling on).
+      largest_shard: elements of the largest parameter shard.
+
+    Raises:
+      ConfigError: ``optimizer_update="device"`` with the optimizer on a host tier, and the update cannot run in
+        the step's program (the message says why and how to fix it).
+    """
+    on_device = config.optimizer_update == "device"
+    why = fused_refusal(
+        spec, compiled=where.engine == "compiled", param_tier=where.params.device, opt_tier=where.optimizer.device,
+        accumulation=config.gradient_accumulation_steps, loss_scaling=loss_scaling(config, compute_dtype) is not None,
+        grad_tier=where.grads is not None, largest_shard=largest_shard, sub_group_size=config.sub_group_size,
+        update_on_device=on_device)
+    if why is not None and on_device and where.optimizer.device != "none":
+        detail = (f"the update cannot run in the step's program with {why}. Fix: change that, or "
+                  "optimizer_update='host' (the streamed CPU update)")
+        raise ConfigError(f"ZeroConfig.optimizer_update='device': {detail}", field="optimizer_update", detail=detail)
+    return why is None
 
 
 class FusedAdam(StreamedOptimizer):
