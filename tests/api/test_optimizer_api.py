@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 import zinf_jax as zinf
-from helpers.engine_utils import assert_params_close, flat
+from helpers.engine_utils import assert_params_close, flat, placement_config as config
 from zinf_jax.errors import ConfigError
 from zinf_jax.models import GPT, GPTConfig, batch_at, corpus, lm_loss
 
@@ -32,15 +32,6 @@ def ctor():
 
 def injected():
     return optax.inject_hyperparams(optax.adamw)(learning_rate=3e-3, eps=1e-4, weight_decay=0.1)
-
-
-def config(tmp_path, where):
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    tier, _, update = where.partition("-")
-    off = zinf.Offload(tier, path=str(tmp_path)) if tier == "nvme" else zinf.Offload(tier)
-    if update:
-        return zinf.ZeroConfig(offload_optimizer=off, optimizer_update=update, persistence_threshold=600)
-    return zinf.ZeroConfig(offload_param=off, offload_optimizer=off, persistence_threshold=600)
 
 
 def reference(tx, *, new_lr=None, at=2):

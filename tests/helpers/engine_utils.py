@@ -7,6 +7,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+import zinf_jax as zinf
 from zinf_jax.engine.linen_adapter import LinenAdapter
 from zinf_jax.engine.nnx_adapter import NnxAdapter
 from zinf_jax.engine.init import INIT_BATCH_BYTES, init_unit_by_unit
@@ -137,3 +138,14 @@ def optax_run(model, tx, data, loss_fn=lm_loss, wrt=nnx.Param, place=jnp.asarray
     params, rest = jax.tree.map(place, (params, rest))
     losses, params = optax_steps(lambda p: nnx.merge(gdef, p, rest), params, tx, data, loss_fn, place, place)
     return losses, flat(nnx.state(nnx.merge(gdef, params, rest), nnx.Param))
+
+
+def placement_config(tmp_path, where):
+    """The config of a placement named ``"cpu"``, ``"nvme"``, ``"none"`` (params and optimizer there) or
+    ``"<tier>-device"`` (the optimizer there, ``optimizer_update="device"``); threshold 600 elements."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    tier, _, update = where.partition("-")
+    off = zinf.Offload(tier, path=str(tmp_path)) if tier == "nvme" else zinf.Offload(tier)
+    if update:
+        return zinf.ZeroConfig(offload_optimizer=off, optimizer_update=update, persistence_threshold=600)
+    return zinf.ZeroConfig(offload_param=off, offload_optimizer=off, persistence_threshold=600)

@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 
 import zinf_jax as zinf
-from helpers.engine_utils import assert_params_close, flat, optax_run
+from helpers.engine_utils import assert_params_close, flat, optax_run, placement_config as config
 from zinf_jax.models import GPT, GPTConfig, batch_at, corpus, lm_loss
 
 CFG = GPTConfig(vocab=256, d_model=32, n_heads=4, n_layers=2, seq=16)
@@ -77,15 +77,6 @@ PLACEMENTS = ("nvme", "cpu", "none", "cpu-device", "nvme-device")
 CHEAP = {("lars", "cpu"), ("sgd", "none"), ("prodigy", "cpu"), ("polyak_sgd", "none"), ("noisy_sgd", "nvme"),
          ("schedule_free_adamw", "cpu-device")}  # the LARS and Prodigy cases, the loss, a key, a stateless
 # transform, schedule-free; the rest: -m slow
-
-
-def config(tmp_path, where):
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    tier, _, update = where.partition("-")
-    off = zinf.Offload(tier, path=str(tmp_path)) if tier == "nvme" else zinf.Offload(tier)
-    if update:
-        return zinf.ZeroConfig(offload_optimizer=off, optimizer_update=update, persistence_threshold=600)
-    return zinf.ZeroConfig(offload_param=off, offload_optimizer=off, persistence_threshold=600)
 
 
 @pytest.fixture(scope="module")

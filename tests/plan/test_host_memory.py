@@ -9,7 +9,7 @@ import zinf_jax as zinf
 from zinf_jax._internal.native_memory import TRIM_SLACK
 from zinf_jax.estimate import estimate_from_model
 from zinf_jax.models import GPT, GPTConfig, lm_loss
-from zinf_jax.plan.host_memory import MIN_TRIM_SLACK, HostSizes, plan_host
+from zinf_jax.plan.host_memory import MIN_MARGIN, MIN_TRIM_SLACK, HostSizes, margin, plan_host
 
 MiB = 1 << 20
 SIZES = HostSizes(unit_held=(10 * MiB, 40 * MiB), unit_gathered=(80 * MiB, 320 * MiB), params_on_nvme=True,
@@ -25,11 +25,14 @@ def test_without_a_limit_the_settings_are_kept_and_with_one_lowered_in_order_unt
     free = _plan()
     assert (free.prefetch_depth, free.buffer_count, free.trim_slack, free.max_live_bytes) == (2, 4, TRIM_SLACK, None)
     assert free.fits and free.total == sum(free.items.values())
-    # the items at depth 2, 4 sets: staging 120, device 320 + 120, buffers 80 (+ their writes 80), grads 6
-    roomy = _plan(limit=free.total - TRIM_SLACK + 2 * MIN_TRIM_SLACK + 200 * MiB)
+    # the items at depth 2, 4 sets: staging 120, device 320 + 120, buffers 80 (+ their writes 80), grads 6; a limit
+    # also keeps its margin free (under 4 GiB: MIN_MARGIN)
+    assert "margin" not in free.items and margin(1 << 30) == MIN_MARGIN and margin(8 << 30) == 512 * MiB
+    roomy = _plan(limit=free.total - TRIM_SLACK + 2 * MIN_TRIM_SLACK + 200 * MiB + MIN_MARGIN)
+    assert roomy.items["margin"] == MIN_MARGIN
     assert (roomy.prefetch_depth, roomy.buffer_count) == (2, 4) and MIN_TRIM_SLACK < roomy.trim_slack < TRIM_SLACK
     assert roomy.fits and roomy.headroom >= roomy.trim_slack  # half the spare is the step's
-    depth_cut = _plan(limit=free.total - TRIM_SLACK + MIN_TRIM_SLACK - 1)  # one unit's window less: depth 1
+    depth_cut = _plan(limit=free.total - TRIM_SLACK + MIN_TRIM_SLACK + MIN_MARGIN - 1)  # a window less: depth 1
     assert (depth_cut.prefetch_depth, depth_cut.buffer_count) == (1, 4) and depth_cut.fits
     assert depth_cut.max_live_bytes == 2 * 40 * MiB  # the prefetcher's bound: the planned window
     both = _plan(limit=depth_cut.minimum + 40 * MiB)  # depth 0, then sets cut

@@ -213,14 +213,7 @@ class MultiShardWork:
         """The pack's gradients side by side in one float32 buffer (kept for the next step)."""
         if self._pack_g is None or self._pack_g.shape[0] < pk.size:
             self._pack_g = np.empty(pk.size, np.float32)
-        g = self._pack_g[:pk.size]
-        for gr, off in zip(pk.members, pk.offsets):
-            part = grad(gr.path, gr.shard)
-            if part is None:
-                g[off:off + gr.valid] = 0.0
-            else:
-                np.copyto(g[off:off + gr.valid], np.asarray(part).reshape(-1), casting="unsafe")
-        return g
+        return _fill_pack_grad(self._pack_g[:pk.size], pk, grad)
 
     def _update_pack(self, bs: BufferSet, pk: Pack, grad, write_params, *, step: int, lr: float,
                      mult: np.float32) -> tuple[float, float]:
@@ -231,12 +224,7 @@ class MultiShardWork:
         t = time.perf_counter()
         g = bs.arrays[-1]
         if not isinstance(grad, TierGrads):  # (read with the states otherwise)
-            for gr, off in zip(pk.members, pk.offsets):
-                part = grad(gr.path, gr.shard)
-                if part is None:
-                    g[off:off + gr.valid] = 0.0
-                else:
-                    np.copyto(g[off:off + gr.valid], np.asarray(part).reshape(-1), casting="unsafe")
+            _fill_pack_grad(g, pk, grad)
         arrays = [a[:pk.size] for a in bs.arrays[:len(self._names[pk.members[0].path])]]
         spans = [(gr.path, self.layouts[gr.path].shape, off, off + gr.valid) for gr, off in zip(pk.members, pk.offsets)]
         with TraceAnnotation("zinf/optimizer_update", param=work_name(pk)):
@@ -306,3 +294,14 @@ class MultiShardWork:
         outs = write_params(items)
         bs.pending += [f for f in outs if is_future(f)]
         return t_adam, time.perf_counter() - t
+
+
+def _fill_pack_grad(g: np.ndarray, pk: Pack, grad: Callable[[str, int], np.ndarray | None]) -> np.ndarray:
+    """``g`` holding the gradients of ``pk``'s members at their offsets (zeros for a member without one)."""
+    for gr, off in zip(pk.members, pk.offsets):
+        part = grad(gr.path, gr.shard)
+        if part is None:
+            g[off:off + gr.valid] = 0.0
+        else:
+            np.copyto(g[off:off + gr.valid], np.asarray(part).reshape(-1), casting="unsafe")
+    return g

@@ -22,6 +22,8 @@ What is counted (bytes of one process):
 * ``resident_tiers``: a ``cpu`` param tier and a ``cpu`` optimizer state (not planned: they are the model).
 * ``trim_slack``: free-but-resident memory the allocator may keep before it is handed back
   (:class:`~zinf_jax._internal.native_memory.Trimmer`).
+* ``margin`` (with a limit only): memory the kernel charges the process beyond what it allocates, kept free
+  of the plan (:func:`margin`; see [Note: the host margin]).
 
 Not counted: the step's working set (activations and XLA temporaries; on a CPU mesh they are host RAM
 too): what is left of the limit is theirs, and :attr:`HostPlan.headroom` says how much that is.
@@ -37,10 +39,28 @@ from typing import Mapping
 from zinf_jax._internal.fmt import human_bytes
 from zinf_jax._internal.native_memory import TRIM_SLACK
 
-__all__ = ["HostSizes", "HostPlan", "plan_host", "MIN_TRIM_SLACK", "TRIM_SLACK"]
+__all__ = ["HostSizes", "HostPlan", "plan_host", "margin", "MIN_TRIM_SLACK", "TRIM_SLACK", "MIN_MARGIN"]
 
 MIN_TRIM_SLACK = 64 << 20
 """The least trim slack a plan gives: below it the allocator hands pages back after nearly every unit."""
+
+
+MIN_MARGIN = 256 << 20
+"""The least :func:`margin` of a limit."""
+
+# [Note: the host margin]
+# A memory cgroup charges a process more than its own allocations: the page cache of the tier files it reads
+# and writes (clean pages are reclaimed at the cap, but pages under writeback are not, and the kernel reclaims
+# them only as fast as the disk takes them), kernel buffers, and the allocator's fragmentation. The plan keeps
+# a margin of the limit free of every item for them: a sixteenth of the limit, at least 256 MiB. Measured
+# (scripts/host_budget_run.py, 4 GiB cgroup cap, nvme tiers, 8 CPU devices): the bundled GPT d1024 x 32 and
+# x 128 trained under the cap with plans of 1.8-1.9 GiB; d2048 x 32 (seq 64), planned at 3.98 GiB with its
+# step's working set and no margin, was killed by the kernel at the cap with a peak RSS of 3.9 GiB uncapped.
+
+
+def margin(limit: int) -> int:
+    """Bytes of ``limit`` a plan leaves free of every item ([Note: the host margin])."""
+    return max(MIN_MARGIN, limit // 16)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -86,8 +106,8 @@ class HostPlan:
       max_live_bytes: stored bytes of the units fetched at once (the prefetch window; with a limit the
         prefetcher's bound, ``ZeroConfig.max_live_bytes`` at most), or None: unbounded.
       items: bytes of each item (see the module docstring) at these settings.
-      minimum: the total at the least settings (``prefetch_depth`` 0, one buffer set, the least slack): the
-        smallest limit that fits.
+      minimum: the smallest limit that fits: the total at the least settings (``prefetch_depth`` 0, one
+        buffer set, the least slack) and that limit's :func:`margin`.
       lowering: what would lower :attr:`minimum`, largest item first (settings and their effect).
     """
 
@@ -127,7 +147,7 @@ class HostPlan:
         return "\n".join([head, *lines])
 
 
-def _items(s: HostSizes, runtime: int, depth: int, count: int, slack: int) -> dict[str, int]:
+def _items(s: HostSizes, runtime: int, depth: int, count: int, slack: int, kept: int = 0) -> dict[str, int]:
     held, gathered = max(s.unit_held, default=0), max(s.unit_gathered, default=0)
     window = (1 + depth) * held
     buffers = min(count, max(s.sets, 1)) * s.buffer_set + s.assembly
@@ -138,7 +158,8 @@ def _items(s: HostSizes, runtime: int, depth: int, count: int, slack: int) -> di
             "optimizer_writes": buffers if s.optimizer_on_nvme else 0,
             "grad_sink": s.grad_ram + s.grad_unit,
             "resident_tiers": s.resident_tiers,
-            "trim_slack": slack}
+            "trim_slack": slack,
+            **({"margin": kept} if kept else {})}
 
 
 def _lowering(s: HostSizes, items: Mapping[str, int]) -> tuple[str, ...]:
@@ -173,18 +194,20 @@ def plan_host(sizes: HostSizes, *, runtime: int, prefetch_depth: int, buffer_cou
       limit: ``ZeroConfig.host_memory_limit``, or None.
       max_live_bytes: ``ZeroConfig.max_live_bytes`` (with a limit, the planned window is bounded by it too).
     """
+    kept = 0 if limit is None else margin(limit)
     least = _items(sizes, runtime, 0, 1, MIN_TRIM_SLACK)
-    minimum = sum(least.values())
+    base = sum(least.values())
+    minimum = base if limit is None else max(base + MIN_MARGIN, -(-base * 16 // 15))  # the least L: base+margin(L) <= L
     depth, count, slack = prefetch_depth, buffer_count, TRIM_SLACK
     if limit is not None:
         slack = MIN_TRIM_SLACK
-        while depth > 0 and sum(_items(sizes, runtime, depth, count, slack).values()) > limit:
+        while depth > 0 and sum(_items(sizes, runtime, depth, count, slack, kept).values()) > limit:
             depth -= 1
-        while count > 1 and sum(_items(sizes, runtime, depth, count, slack).values()) > limit:
+        while count > 1 and sum(_items(sizes, runtime, depth, count, slack, kept).values()) > limit:
             count -= 1
-        left = limit - sum(_items(sizes, runtime, depth, count, 0).values())
+        left = limit - sum(_items(sizes, runtime, depth, count, 0, kept).values())
         slack = min(TRIM_SLACK, max(MIN_TRIM_SLACK, left // 2))
-    items = _items(sizes, runtime, depth, count, slack)
+    items = _items(sizes, runtime, depth, count, slack, kept)
     live = None if limit is None else (1 + depth) * max(sizes.unit_held, default=0)
     if live is not None and max_live_bytes is not None:
         live = min(live, max(max_live_bytes, max(sizes.unit_held, default=0)))
