@@ -28,6 +28,7 @@ def test_without_a_limit_the_settings_are_kept_and_with_one_lowered_in_order_unt
     # the items at depth 2, 4 sets: staging 120, device 320 + 120, buffers 80 (+ their writes 80), grads 6; a limit
     # also keeps its margin free (under 4 GiB: MIN_MARGIN)
     assert "margin" not in free.items and margin(1 << 30) == MIN_MARGIN and margin(8 << 30) == 512 * MiB
+    assert free.items["device_grads"] == 320 * MiB  # on a CPU mesh: the largest unit's gradient, gathered
     roomy = _plan(limit=free.total - TRIM_SLACK + 2 * MIN_TRIM_SLACK + 200 * MiB + MIN_MARGIN)
     assert roomy.items["margin"] == MIN_MARGIN
     assert (roomy.prefetch_depth, roomy.buffer_count) == (2, 4) and MIN_TRIM_SLACK < roomy.trim_slack < TRIM_SLACK
