@@ -44,7 +44,7 @@ from zinf_jax.optim.choose import with_clipping
 from zinf_jax.errors import ConfigError
 from zinf_jax.optim.choose import choose_optimizer
 from zinf_jax.optim.fused import MOVE_IN_AHEAD, update_in_program
-from zinf_jax.optim.grads_out import IN_RAM_BELOW, ram_bytes
+from zinf_jax.optim.grads_out import ram_bytes, stays_in_ram
 from zinf_jax.optim.rules import WholeSets, rule_for, whole_sets
 from zinf_jax.optim.subgroups import PACK_BELOW, PACK_ELEMENTS, pool_geometry, sub_groups
 from zinf_jax.plan.host_memory import HostPlan, HostSizes, plan_host
@@ -376,7 +376,7 @@ def estimate_from_sizes(
     store_pad = pad(c)
     thr = config.persistence_threshold  # the gradient shards a step keeps in RAM (grads_out), bounded:
     grad_ram = ram_bytes(sum(4 * t // P if t > thr else 4 * t for t in tensors
-                             if 4 * (-(-t // n_devices) if t > thr else t) < IN_RAM_BELOW))
+                             if stays_in_ram(-(-t // n_devices) if t > thr else t)))
     grad_out = params * 4 // P - grad_ram if params * 4 // P - grad_ram >= 4 * len(tensors) else 0  # not rounding
     chunk = sub_groups(shard, config.sub_group_size)[0]
     a = heads or max(1, h // 64)  # per-layer activations (Korthikanti et al. 2022) + logits, log-softmax, grad
@@ -513,10 +513,10 @@ def estimate_from_model(
         store_io_trained=sum(padded(layouts[p].shard_shape, item[p]) * shards[p] for p in trained),
         grad=sum(4 * local[p] for p in trained),
         opt=sum(_state_bytes(config) * n_chunks[p] * chunk[p] * shards[p] for p in trained),
-        grad_ram=sum(4 * n_chunks[p] * chunk[p] * shards[p] for p in trained if 4 * numel[p] < IN_RAM_BELOW),
+        grad_ram=sum(4 * n_chunks[p] * chunk[p] * shards[p] for p in trained if stays_in_ram(numel[p])),
         grad_disk=sum(n_chunks[p] * shards[p] * on_disk((chunk[p],), 4) + _KEY_METADATA_BYTES + len(p) + 3 * shards[p]
-                      for p in trained if 4 * numel[p] >= IN_RAM_BELOW),
-        grad_io=sum(n_chunks[p] * shards[p] * padded((chunk[p],), 4) for p in trained if 4 * numel[p] >= IN_RAM_BELOW),
+                      for p in trained if not stays_in_ram(numel[p])),
+        grad_io=sum(n_chunks[p] * shards[p] * padded((chunk[p],), 4) for p in trained if not stays_in_ram(numel[p])),
         opt_disk=sum(n_chunks[p] * shards[p] * (on_disk((chunk[p],), 4)
                                                 + 2 * on_disk((chunk[p],), _moment_bytes(config))) for p in trained),
         opt_io=sum(n_chunks[p] * shards[p] * (padded((chunk[p],), 4) + 2 * padded((chunk[p],), _moment_bytes(config)))

@@ -19,7 +19,7 @@ from zinf_jax._internal import native_memory
 from zinf_jax._internal.fmt import human_bytes
 from zinf_jax.config import ZeroConfig
 from zinf_jax.errors import ConfigError
-from zinf_jax.optim.grads_out import IN_RAM_BELOW, ram_bytes
+from zinf_jax.optim.grads_out import ram_bytes, stays_in_ram
 from zinf_jax.optim.rules import WholeSets
 from zinf_jax.optim.subgroups import PACK_BELOW, PACK_ELEMENTS, pool_geometry, sub_groups
 from zinf_jax.plan.pinned import POOL_VARIABLE, PinnedPlan, plan_pinned, pool_decision
@@ -88,7 +88,7 @@ def sizes_of(layouts: Mapping[str, ParamLayout], units: Sequence[Collection[str]
         buffer_set=max(buffer_set_bytes(config, where, packs, max(size, 1)), whole.set_bytes),
         sets=buffer_sets(config, where, groups, whole), assembly=4 * max(cut, default=0) + whole.gather_bytes,
         optimizer_on_nvme=where.optimizer.device == "nvme",
-        grad_ram=(ram_bytes(sum(g for p, g in grad.items() if 4 * numel[p] < IN_RAM_BELOW)) if grads_out
+        grad_ram=(ram_bytes(sum(g for p, g in grad.items() if stays_in_ram(numel[p]))) if grads_out
                   else sum(grad.values())),
         grad_unit=unit_grad if grads_out else 0,
         resident_tiers=(sum(held) if where.params.device == "cpu" else 0)

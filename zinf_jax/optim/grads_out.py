@@ -39,7 +39,7 @@ from zinf_jax.optim.kernel import all_finite, sum_squares
 from zinf_jax._internal.futures import done_future
 from zinf_jax.tiers.base import ShardSpec, Tier
 
-__all__ = ["TierGrads", "GRAD", "IN_RAM_BELOW", "RAM_BYTES", "ram_bytes"]
+__all__ = ["TierGrads", "GRAD", "IN_RAM_BELOW", "RAM_BYTES", "ram_bytes", "stays_in_ram"]
 
 GRAD = "grad"
 """Key prefix of gradient chunks in the tier."""
@@ -49,6 +49,13 @@ IN_RAM_BELOW = 1 << 20
 
 RAM_BYTES = 64 << 20
 """The most bytes of small gradient shards a step keeps in host RAM; the rest are written to the tier."""
+
+
+def stays_in_ram(numel: int) -> bool:
+    """Whether a gradient shard of ``numel`` elements is small enough to stay in host RAM (float32, under
+    :data:`IN_RAM_BELOW` bytes) rather than go to the scratch tier: the one rule the tier, the host plan and the
+    estimator read."""
+    return 4 * numel < IN_RAM_BELOW
 
 
 def ram_bytes(small: int) -> int:
@@ -98,7 +105,7 @@ class TierGrads:
         if again:  # a second contribution this step: read back, sum, rewrite
             flat = self.read(path, index)[:numel] + flat
         with self._lock:  # small, and within the step's RAM bound (a repeat keeps its place)
-            in_ram = numel * 4 < IN_RAM_BELOW and (
+            in_ram = stays_in_ram(numel) and (
                 key in self._ram or self._ram_bytes + 4 * n * chunk <= self._ram_limit)
         if in_ram:
             padded = np.zeros(n * chunk, np.float32)
