@@ -232,13 +232,10 @@ class MultiShardWork:
         t_adam = time.perf_counter() - t
         with TraceAnnotation("zinf/optimizer_write", param=work_name(pk)):
             self._io(bs, pk, read=False)
-        t = time.perf_counter()
         master = arrays[0]
         items = [(gr.path, gr.shard, master[lo:hi].reshape(self.layouts[gr.path].shard_shape))
                  for gr, (_, _, lo, hi) in zip(pk.members, spans)]
-        outs = write_params(items)
-        bs.pending += [f for f in outs if is_future(f)]
-        return t_adam, time.perf_counter() - t
+        return t_adam, self._write_params(bs, items, write_params)
 
     def _pack_runs(self, pk: Pack) -> list[np.ndarray] | None:
         """The pack's states as runs of the tier (per state one array, the members side by side:
@@ -255,6 +252,14 @@ class MultiShardWork:
                 return None
             runs.append(run)
         return runs
+
+    @staticmethod
+    def _write_params(bs: BufferSet, items: list, write_params) -> float:
+        """Issues a pack's parameter writes (kept in ``bs`` until they land); the seconds it took."""
+        t = time.perf_counter()
+        outs = write_params(items)
+        bs.pending += [f for f in outs if is_future(f)]
+        return time.perf_counter() - t
 
     def _update_pack_in_place(self, bs: BufferSet, pk: Pack, grad, write_params, *, step: int, lr: float,
                               mult: np.float32) -> tuple[float, float]:
@@ -273,11 +278,7 @@ class MultiShardWork:
                 self.rule.update_many(spans, runs, g, step=step, lr=lr, mult=mult)
             items = [(gr.path, gr.shard, runs[0][lo:hi].reshape(self.layouts[gr.path].shard_shape))
                      for gr, (_, _, lo, hi) in zip(pk.members, spans)]
-            t_adam = time.perf_counter() - t
-            t = time.perf_counter()
-            outs = write_params(items)
-            bs.pending += [f for f in outs if is_future(f)]
-            return t_adam, time.perf_counter() - t
+            return time.perf_counter() - t, self._write_params(bs, items, write_params)
         shards, k = [], 0
         for gr in pk.members:
             n = len(names)
@@ -289,11 +290,7 @@ class MultiShardWork:
             self.rule.update_each(shards, step=step, lr=lr, mult=mult)
         items = [(gr.path, gr.shard, arrays[0][:gr.valid].reshape(self.layouts[gr.path].shard_shape))
                  for gr, (_, _, arrays, _) in zip(pk.members, shards)]
-        t_adam = time.perf_counter() - t
-        t = time.perf_counter()
-        outs = write_params(items)
-        bs.pending += [f for f in outs if is_future(f)]
-        return t_adam, time.perf_counter() - t
+        return time.perf_counter() - t, self._write_params(bs, items, write_params)
 
 
 def _fill_pack_grad(g: np.ndarray, pk: Pack, grad: Callable[[str, int], np.ndarray | None]) -> np.ndarray:
