@@ -48,7 +48,7 @@ from zinf_jax.optim.grads_out import ram_bytes, stays_in_ram
 from zinf_jax.optim.rules import WholeSets, rule_for, whole_sets
 from zinf_jax.optim.subgroups import PACK_BELOW, PACK_ELEMENTS, pool_geometry, sub_groups
 from zinf_jax.plan.host_memory import HostPlan, HostSizes, plan_host
-from zinf_jax.plan.partition import local_shard_devices, make_mesh, plan_partition
+from zinf_jax.plan.partition import experts_gathered_whole, local_shard_devices, make_mesh, plan_partition
 from zinf_jax.plan.pinned import plan_pinned
 from zinf_jax.plan.placement import place
 from zinf_jax.plan.units import UnitPolicy, layer_count, persistent_paths
@@ -127,6 +127,9 @@ class MemoryEstimate:
         :func:`zinf_jax.optim.fused.update_in_program`).
       refusal: why :func:`zinf_jax.initialize` refuses this configuration (the message of its ``ConfigError``),
         else ``None``; a refused configuration never fits.
+      experts_whole: one line per stack of experts that every device gathers whole (its model names an expert
+        axis the partition cannot keep: :func:`~zinf_jax.plan.partition.experts_gathered_whole`), with its
+        bytes per device and one expert's.
     """
 
     param_tier: str
@@ -154,6 +157,7 @@ class MemoryEstimate:
     step_host_bytes: int = 0
     optimizer_in_program: bool = False
     refusal: str | None = None
+    experts_whole: tuple[str, ...] = ()
 
     @property
     def planned_host_bytes(self) -> int:
@@ -500,12 +504,12 @@ def estimate_from_model(
     d = StepDigest(
         n_local=n_local, n_idx=n_idx, n_processes=P, compute_dtype=cd, params=sum(x.size for x in layouts.values()),
         unit_held=unit(lambda p: layouts[p].bytes_per_device(dtype_of(p)) * n_local),
-        unit_gathered=unit(lambda p: layouts[p].size * item[p] * n_local),
+        unit_gathered=unit(lambda p: layouts[p].gathered_bytes_per_device(dtype_of(p)) * n_local),
         unit_kept=(tuple(all(layouts[p].dim is None for p in u.param_paths) for u in adapter.units)
                    + (False,) * sum(n or 0 for n in layers)),
         unit_grad=unit(lambda p: 4 * local[p] * (p in trained)),
         calls=tuple((u, b // P + r * n_local) for u, b, r in calls), rests=rests * n_local,
-        glue=sum(layouts[p].size * item[p] * n_local for p in adapter.glue_paths),  # gathered for the step
+        glue=sum(layouts[p].gathered_bytes_per_device(dtype_of(p)) * n_local for p in adapter.glue_paths),  # gathered for the step
         store=sum(item[p] * local[p] for p in layouts),
         store_sharded=sum(item[p] * local[p] for p, lay in layouts.items() if lay.dim is not None),
         store_disk=sum(on_disk(layouts[p].shard_shape, item[p]) * shards[p] for p in layouts),
@@ -527,7 +531,9 @@ def estimate_from_model(
         workspace=3 * out // (P * n_local),  # the largest unit output (logits): itself, f32 copy, cotangent
         forward_flops=flops, whole=whole, largest_shard=max(numel.values(), default=0),
         optimizer=choose_optimizer(optimizer, config))
-    return [_estimate(d, config, pt, ot, platform) for pt, ot in configurations]
+    whole_experts = tuple(experts_gathered_whole(layouts, adapter.layout_hints, cd))
+    return [dataclasses.replace(_estimate(d, config, pt, ot, platform), experts_whole=whole_experts)
+            for pt, ot in configurations]
 
 
 def _whole_sets(optimizer: Any, config: ZeroConfig, layouts: Mapping[str, Any], shards: Mapping[str, int],
@@ -597,4 +603,5 @@ def format_report(estimates: Sequence[MemoryEstimate], machine: Machine | None =
     lines += [f"{e.params:,} params, {e.compute_dtype}, {e.n_devices} devices x {e.n_processes} process(es); zinf "
               "state + overheads; device per device, host and nvme per process"] if e else []
     lines += [f"refused ({r.param_tier}, {r.optimizer_tier}): {r.refusal}" for r in estimates if r.refusal]
+    lines += [f"experts: {line}" for line in (e.experts_whole if e else ())]
     return "\n".join(lines)

@@ -73,7 +73,7 @@ def sizes_of(layouts: Mapping[str, ParamLayout], units: Sequence[Collection[str]
     shards = {p: 1 if lay.dim is None else n_idx for p, lay in layouts.items()}
     numel = {p: math.prod(lay.shard_shape) for p, lay in layouts.items()}
     held = tuple(sum(layouts[p].bytes_per_device(dtype(p)) * n_local for p in u) for u in units)
-    gathered = tuple(sum(layouts[p].size * jnp.dtype(dtype(p)).itemsize * n_local for p in u) for u in units)
+    gathered = tuple(sum(layouts[p].gathered_bytes_per_device(dtype(p)) * n_local for p in u) for u in units)
     grads_out = where.grads_out
     groups, size, packs = pool_geometry([(numel[p], shards[p]) for p in trained if p not in whole.paths],
                                         config.sub_group_size, PACK_BELOW, PACK_ELEMENTS)

@@ -93,6 +93,8 @@ def join_inputs(sig: tuple, dyn: Sequence[Any]) -> Any:
 def gather(lay: ParamLayout, x: jax.Array, mesh: Mesh) -> jax.Array:
     """A stored parameter inside a program, gathered: all-gathered over the zero axes, padding removed, and
     split as the model's own code expects it (:attr:`~zinf_jax.plan.partition.ParamLayout.gathered`)."""
+    if lay.kind != "flat":  # straight to the model's spec: a split it keeps is never gathered (an expert axis)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, lay.gathered_spec))
     x = from_stored(lay, jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P())))
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, lay.gathered_spec)) if lay.gathered else x
 

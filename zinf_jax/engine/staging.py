@@ -76,7 +76,10 @@ def read(lay: ParamLayout, stored: jax.Array, mesh: Mesh, dtype: Any, host: bool
 def scatter_out(lay: ParamLayout, ct: jax.Array, mesh: Mesh) -> jax.Array:
     """The transpose of :func:`read`'s gather, in float32: the gathered cotangent reduce-scattered to the
     stored sharding (padding and flattening of a ``flat`` parameter undone), in device memory."""
-    g = to_stored(lay, ct.astype(jnp.float32))
+    g = ct.astype(jnp.float32)
+    if lay.gathered and lay.kind != "flat":  # reduced where it was computed: a split the model keeps stays
+        g = jax.lax.with_sharding_constraint(g, NamedSharding(mesh, lay.gathered_spec))
+    g = to_stored(lay, g)
     return jax.lax.with_sharding_constraint(g, NamedSharding(mesh, lay.spec, memory_kind="device"))
 
 

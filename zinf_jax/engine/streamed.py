@@ -187,7 +187,7 @@ class StreamedModel:
         self._trainable = [tuple(trainable is None or p in trainable for p in u.param_paths) for u in self.units]
         self._unit_bytes = [store.nbytes(u.param_paths) for u in self.units]
         self._gathered = [
-            sum(l.size * jnp.dtype(store.dtype_of(l.path)).itemsize for l in lays) * len(self.mesh.devices.flat)
+            sum(l.gathered_bytes_per_device(store.dtype_of(l.path)) for l in lays) * len(self.mesh.devices.flat)
             for lays in self._layouts
         ]
         self._layers = [layer_count([l.shape for l in lays]) for lays in self._layouts]

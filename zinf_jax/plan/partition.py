@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import warnings
 from typing import Any, Collection, Iterable, Mapping, Sequence
 
 import jax
@@ -47,6 +48,8 @@ __all__ = [
     "batch_axes_of",
     "batch_spec",
     "model_axes_of",
+    "experts_gathered_whole",
+    "EXPERT_AXES",
     "plan_partition",
     "to_stored",
     "from_stored",
@@ -71,6 +74,11 @@ axes of :func:`make_mesh` (``tensor``) and of public model code (``tp``)."""
 MODEL_AXES = ("tensor", "tp")
 """Axes that replicate the batch too (every other axis splits it, but those the model splits its
 parameters over: see :func:`batch_axes_of`)."""
+
+EXPERT_AXES = ("expert", "experts", "exp")
+"""Names of expert-parallel mesh axes (as public MoE code names them). An expert axis among the zero axes
+comes first in the shard order, and a parameter whose own spec splits a dimension over it (a stack of
+experts) keeps that split when gathered: see [Note: experts stay sharded]."""
 
 
 def make_mesh(
@@ -149,21 +157,23 @@ def zero_axes_of(mesh: Mesh, zero_axes: Sequence[str] | None = None) -> tuple[st
         not named ``data``, ``tensor`` or ``tp`` (every axis if there is no other).
 
     Returns:
-      The axis names; shard indices run over them in row-major order.
+      The axis names, expert axes (:data:`EXPERT_AXES`) first, the others in the order given; shard
+      indices run over them in row-major order.
 
     Raises:
       ConfigError: a name is not an axis of the mesh, or is given twice.
     """
     names = tuple(mesh.axis_names)
     if zero_axes is None:
-        return tuple(a for a in names if a not in REPLICA_AXES) or names
-    axes = tuple(zero_axes)
-    bad = [a for a in axes if a not in names]
-    if bad or len(set(axes)) != len(axes):
-        what = f"{', '.join(map(repr, bad))} not an axis of the mesh" if bad else "an axis named twice"
-        detail = f"{what}; the mesh's axes are {names}, got {axes}"
-        raise ConfigError(f"ZeroConfig.zero_axes: {detail}", field="zero_axes", detail=detail)
-    return axes
+        axes = tuple(a for a in names if a not in REPLICA_AXES) or names
+    else:
+        axes = tuple(zero_axes)
+        bad = [a for a in axes if a not in names]
+        if bad or len(set(axes)) != len(axes):
+            what = f"{', '.join(map(repr, bad))} not an axis of the mesh" if bad else "an axis named twice"
+            detail = f"{what}; the mesh's axes are {names}, got {axes}"
+            raise ConfigError(f"ZeroConfig.zero_axes: {detail}", field="zero_axes", detail=detail)
+    return tuple(sorted(axes, key=lambda a: a not in EXPERT_AXES))  # See [Note: experts stay sharded]
 
 
 def batch_axes_of(mesh: Mesh, model_axes: Collection[str] = ()) -> tuple[str, ...]:
@@ -199,7 +209,10 @@ class ParamLayout:
       num_shards: shard count (the product of the zero axes' sizes; 1 when persistent).
       axes: the mesh axes the sharded dimension is split over (:func:`zero_axes_of`).
       gathered: the PartitionSpec entries of the gathered parameter inside the model's code: the
-        model's own spec without the zero axes (its tensor parallelism); ``()``: replicated.
+        model's own spec without the zero axes (its tensor parallelism), but for the expert axes a stack
+        of experts keeps (see [Note: experts stay sharded]); ``()``: replicated.
+      gathered_split: how many pieces the gathered parameter is split into (the product of the sizes of
+        the axes in ``gathered``): a device holds ``size / gathered_split`` of its elements.
     """
 
     path: str
@@ -210,6 +223,7 @@ class ParamLayout:
     num_shards: int
     axes: tuple[str, ...] = (FSDP,)
     gathered: tuple[str | tuple[str, ...] | None, ...] = ()
+    gathered_split: int = 1
 
     @property
     def size(self) -> int:
@@ -248,6 +262,10 @@ class ParamLayout:
         item = jnp.dtype(dtype or self.dtype).itemsize
         return math.prod(self.shard_shape) * item
 
+    def gathered_bytes_per_device(self, dtype: Any = None) -> int:
+        """Bytes of the gathered parameter on one device in ``dtype`` (default: the parameter's own)."""
+        return self.size // self.gathered_split * jnp.dtype(dtype or self.dtype).itemsize
+
 
 Hint = int | tuple[str | tuple[str, ...] | None, ...]
 """A layout hint: the dimension to shard first, or the mesh axes of each dimension (a PartitionSpec)."""
@@ -259,8 +277,8 @@ def _names(entry: Any) -> tuple[str, ...]:
 
 
 def _gathered(hint: Hint | None, mesh: Mesh, axes: tuple[str, ...], ndim: int) -> tuple:
-    """The model's own spec (a hint naming mesh axes per dimension) without the zero axes and the axes
-    the mesh lacks; ``()`` when nothing is left (replicated)."""
+    """The model's own spec (a hint naming mesh axes per dimension) without ``axes`` (the zero axes a gather
+    spans) and the axes the mesh lacks; ``()`` when nothing is left (replicated)."""
     if hint is None or isinstance(hint, int) or len(hint) != ndim:
         return ()
     out = []
@@ -270,10 +288,60 @@ def _gathered(hint: Hint | None, mesh: Mesh, axes: tuple[str, ...], ndim: int) -
     return tuple(out) if any(e is not None for e in out) else ()
 
 
+def _expert_dim(hint: Hint | None, shape: tuple[int, ...], axes: tuple[str, ...], mesh: Mesh,
+                path: str) -> tuple[int, tuple[str, ...]] | None:
+    """The dimension of a stack of experts and the expert axes it keeps (see [Note: experts stay sharded]):
+    the dimension the model's own spec splits over the leading expert axes of ``axes``, when it divides by
+    the shard count; ``None`` for any other parameter. A stack that does not divide is gathered whole, with a
+    warning naming the sizes."""
+    experts = tuple(a for a in axes if a in EXPERT_AXES)
+    if not experts or hint is None or isinstance(hint, int) or len(hint) != len(shape):
+        return None
+    for d, entry in enumerate(hint):
+        named = tuple(a for a in _names(entry) if a in experts)
+        if not named:
+            continue
+        if named != axes[:len(named)]:
+            return None
+        n = math.prod(mesh.shape[a] for a in axes)
+        if shape[d] % n:
+            warnings.warn(
+                f"zinf_jax: {path} {shape} splits dimension {d} over the expert axes {named}, but {shape[d]} does not "
+                f"divide by the {n} shards of the zero axes {axes}: every device gathers all {shape[d]} experts per "
+                f"call. Make dimension {d} a multiple of {n} to keep the experts split.", stacklevel=3)
+            return None
+        return d, named
+    return None
+
+
+def experts_gathered_whole(layouts: Mapping[str, ParamLayout], hints: Mapping[str, Hint] | None,
+                           compute_dtype: Any = None) -> list[str]:
+    """What gathering a stack of experts whole costs, one line per stack: a parameter whose own spec splits
+    a dimension over an expert axis (:data:`EXPERT_AXES`) that its gathered spec does not keep (the mesh
+    lacks the axis, the axis is not a zero axis, or the stack does not divide by the shard count)."""
+    out = []
+    for path, lay in layouts.items():
+        hint = (hints or {}).get(path)
+        if hint is None or isinstance(hint, int) or len(hint) != len(lay.shape):
+            continue
+        kept = {a for e in lay.gathered for a in _names(e)}
+        dims = [d for d, e in enumerate(hint) if any(a in EXPERT_AXES and a not in kept for a in _names(e))]
+        if not dims:
+            continue
+        n, whole = lay.shape[dims[0]], lay.gathered_bytes_per_device(compute_dtype)
+        out.append(f"{path} {lay.shape}: all {n} experts gathered on every device per call ({whole:,} B per device; "
+                   f"one expert {whole // n:,} B); a mesh axis named {_names(hint[dims[0]])[0]!r} among the zero axes, "
+                   f"with dimension {dims[0]} a multiple of the shard count, keeps them split")
+    return out
+
+
 def model_axes_of(layouts: Iterable[ParamLayout], mesh: Mesh) -> tuple[str, ...]:
-    """The mesh axes the model splits its gathered parameters over (its tensor parallelism), in mesh order,
-    with ``tensor`` and ``tp`` when the mesh has them: the batch is replicated over these."""
-    used = {a for lay in layouts for e in lay.gathered for a in _names(e)} | set(MODEL_AXES)
+    """The mesh axes the model splits its gathered parameters over besides the zero axes (its tensor
+    parallelism), in mesh order, with ``tensor`` and ``tp`` when the mesh has them: the batch is replicated
+    over these. (An expert axis is a zero axis: the batch is split over it.)"""
+    layouts = list(layouts)
+    zero = {a for lay in layouts for a in lay.axes}
+    used = {a for lay in layouts for e in lay.gathered for a in _names(e) if a not in zero} | set(MODEL_AXES)
     return tuple(a for a in mesh.axis_names if a in used)
 
 
@@ -326,21 +394,42 @@ def plan_partition(
         shape = tuple(int(d) for d in leaf.shape)
         dtype = jnp.dtype(leaf.dtype).name
         size = math.prod(shape)
+        hint = (hints or {}).get(path)
+        kept: tuple[str, ...] = ()
         if size <= persistence_threshold or path in persistent:
             kind, dim = "persistent", None
+        elif (experts := _expert_dim(hint, shape, axes, mesh, path)) is not None:
+            (dim, kept), kind = experts, "sharded"
         else:
             dims = sorted(range(len(shape)), key=lambda d: (-shape[d], d))
-            hint = _hint_dim((hints or {}).get(path), axes)
-            if hint is not None and 0 <= hint < len(shape):
-                dims.insert(0, dims.pop(dims.index(hint)))
+            first = _hint_dim(hint, axes)
+            if first is not None and 0 <= first < len(shape):
+                dims.insert(0, dims.pop(dims.index(first)))
             dim = next((d for d in dims if shape[d] % n == 0), None)
             kind = "sharded" if dim is not None else "flat"
             dim = 0 if dim is None else dim
+        gathered = _gathered(hint, mesh, tuple(a for a in axes if a not in kept), len(shape))
         out[path] = ParamLayout(
             path=path, shape=shape, dtype=dtype, kind=kind, dim=dim, num_shards=1 if dim is None else n, axes=axes,
-            gathered=_gathered((hints or {}).get(path), mesh, axes, len(shape)),
+            gathered=gathered, gathered_split=math.prod(mesh.shape[a] for e in gathered for a in _names(e)),
         )
     return out
+
+
+# [Note: experts stay sharded]
+# A mixture-of-experts layer stacks its experts in one parameter, (E, D, F), and public MoE code splits
+# the stack over an expert axis of the mesh (P("expert", None, None)), routing tokens to the devices
+# that hold their experts. ZeRO gathering such a stack over every zero axis would put all E experts on
+# every device for every call. An expert axis (EXPERT_AXES) among the zero axes therefore comes first in
+# the shard order, and a stack whose own spec splits a dimension over it is stored split along that
+# dimension over all zero axes, expert axes major: on a (fsdp=2, expert=4) mesh, block e*2+f of the 8
+# lives on the device at (fsdp=f, expert=e). Gathering over the other zero axes alone (fsdp) then leaves
+# the device at expert=e holding blocks 2e and 2e+1 — exactly its slice of P("expert", None, None), the
+# spec the model's code expects (ParamLayout.gathered keeps the expert axes). The all-gather spans the
+# fsdp groups only, the reduce-scatter of the gradient likewise, the tiers hold and move one device's
+# experts, and the batch is split over the expert axis as over any zero axis. Every other parameter is
+# split over the same shards in the same order (any order serves a parameter gathered whole), so shard
+# index i is one device's block for every parameter, and a checkpoint reads back on any order.
 
 
 def to_stored(layout: ParamLayout, value: Any) -> Any:

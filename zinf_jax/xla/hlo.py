@@ -14,7 +14,8 @@ or update (``dynamic-update-slice-start``/``-done``). This module finds those pa
   :mod:`zinf_jax.engine.staged`);
 * which instructions XLA turned into host compute (``_xla_compute_type="host"`` on a GPU, a
   ``HostExecute`` call on a TPU): device work on host-memory values;
-* the element types of the cross-device reductions (all-reduce, reduce-scatter).
+* the element types of the cross-device reductions (all-reduce, reduce-scatter);
+* the shapes all-gathers produce (an expert stack split over an expert axis never appears whole).
 
 Pure text processing: no JAX, no device.
 """
@@ -25,7 +26,8 @@ import json
 import re
 from typing import Iterator
 
-__all__ = ["Instruction", "Module", "Transfer", "Reduction", "parse", "transfers", "host_compute", "reductions"]
+__all__ = ["Instruction", "Module", "Transfer", "Reduction", "parse", "transfers", "host_compute", "reductions",
+           "gathered_shapes"]
 
 _HOST_SPACE = "S(5)"
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
@@ -404,6 +406,18 @@ def reductions(module: Module) -> list[Reduction]:
         elif inst.opcode == "fusion-start" and ("all-reduce" in inst.name or "reduce-scatter" in inst.name):
             types = tuple(sorted({a.dtype for a in _start_parts(inst)[1]}))
             out.append(Reduction(comp, inst.name, types, inst.op_name))
+    return out
+
+
+def gathered_shapes(module: Module) -> list[tuple[int, ...]]:
+    """The dims of every array an all-gather (synchronous or started) produces, one entry per array."""
+    out = []
+    for _, inst in module.instructions():
+        if inst.opcode == "all-gather":
+            out += [a.dims for a in _arrays(inst.shape)]
+        elif inst.opcode == "all-gather-start":
+            parts = _split_top(inst.shape)
+            out += [a.dims for a in _arrays(parts[-1])]
     return out
 
 
