@@ -117,7 +117,6 @@ def _memory(split: bool, experts: int) -> tuple[int, int]:
     return out[0], out[1]
 
 
-@pytest.mark.slow  # ~25 s: eight engines built and stepped
 def test_device_memory_grows_with_the_experts_per_device():
     """From E = 8 to E = 32 the device memory of split stacks grows by (E / 4) of the experts' bytes, under
     half what stacks gathered whole (the same model, no expert axis declared) add."""
