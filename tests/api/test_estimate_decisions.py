@@ -70,3 +70,22 @@ def test_the_estimator_agrees_with_initialize_on_the_whole_grid(tmp_path):
     seen = {_check(tmp_path / str(i), *case) for i, case in enumerate(_grid(full=True))
             if (tmp_path / str(i)).mkdir() is None}
     assert {"accepted", "refused"} <= seen
+
+
+@pytest.mark.parametrize("pt, ot", [("none", "none"), ("cpu", "cpu")])
+def test_a_line_search_is_refused_by_the_estimator_where_initialize_refuses_it(tmp_path, pt, ot):
+    """optax.lbfgs calls the loss (value_fn): only the step's program runs it; the estimator's refusal is the
+    engine's own message (both ask zinf_jax.optim.fused.update_in_program)."""
+    import optax
+
+    cfg = _config(tmp_path, pt, ot, "host", 1, "auto", "float32")
+    tx = optax.lbfgs()
+    (est,) = estimate_from_model(ctor, config=cfg, configurations=[(pt, ot)], loss_fn=lm_loss, optimizer=tx,
+                                 example_batch=jax.ShapeDtypeStruct((8, CFG.seq), "int32"))
+    if pt == "none":
+        assert est.refusal is None and est.optimizer_in_program
+        zinf.initialize(ctor, config=cfg, loss_fn=lm_loss, optimizer=tx).close()
+        return
+    with pytest.raises(zinf.ConfigError) as e:
+        zinf.initialize(ctor, config=cfg, loss_fn=lm_loss, optimizer=tx)
+    assert est.refusal == str(e.value) and "value_fn" in est.refusal

@@ -241,16 +241,6 @@ def test_optax_state_survives_a_checkpoint(tmp_path):
     eng.close()
 
 
-@pytest.mark.parametrize("tx, why", [
-    (lambda: optax.lbfgs(), "line search calls value_fn"),
-])
-def test_an_optax_transform_the_engine_cannot_run_is_refused(tmp_path, tx, why):
-    """(Transforms that couple the elements of one tensor run whole tensor by tensor, those that couple parameters
-    over the whole tree: tests/optim/.)"""
-    with pytest.raises(zinf.ConfigError, match=why):
-        zinf.initialize(ctor, config=config(tmp_path), optimizer=tx(), loss_fn=lm_loss)
-
-
 def test_lora_checkpoint_stores_the_frozen_base_once_and_restores(tmp_path):
     eng = zinf.initialize(lora_ctor, config=config(tmp_path / "a"), optimizer=zinf.adam(3e-3), loss_fn=lm_loss,
                           trainable=nnx.LoRAParam)

@@ -108,17 +108,21 @@ def flat(state):
     return {path_str(p): np.asarray(v) for p, v in zip(leaf_paths(state), jax.tree.leaves(state))}
 
 
-def optax_steps(model_of, params, tx, data, loss_fn, place=lambda x: x, place_state=lambda x: x):
+def optax_steps(model_of, params, tx, data, loss_fn, place=lambda x: x, place_state=lambda x: x,
+                line_search=False):
     """Plain ``jit(value_and_grad)`` + optax over ``params``: ``loss_fn(model_of(params), batch)`` for each batch
     (placed by ``place``; the optimizer state by ``place_state``; a ``GradientTransformationExtraArgs`` given the
-    loss as ``value=``); the losses and the final params."""
+    loss as ``value=``, and with ``line_search`` the gradient and the loss function as ``grad=`` and ``value_fn=``,
+    as optax's lbfgs example does); the losses and the final params."""
     opt_state = jax.tree.map(place_state, tx.init(params))
     extra = isinstance(tx, optax.GradientTransformationExtraArgs)  # given the loss, as optax's examples do
 
     @jax.jit
     def step(params, opt_state, b):
-        loss, g = jax.value_and_grad(lambda p: loss_fn(model_of(p), b))(params)
-        updates, opt_state = tx.update(g, opt_state, params, **({"value": loss} if extra else {}))
+        f = lambda p: loss_fn(model_of(p), b)  # noqa: E731
+        loss, g = jax.value_and_grad(f)(params)
+        more = {"grad": g, "value_fn": f} if line_search else {}
+        updates, opt_state = tx.update(g, opt_state, params, **({"value": loss} if extra else {}), **more)
         return optax.apply_updates(params, updates), opt_state, loss
 
     losses = []
@@ -128,15 +132,16 @@ def optax_steps(model_of, params, tx, data, loss_fn, place=lambda x: x, place_st
     return losses, params
 
 
-def optax_run(model, tx, data, loss_fn=lm_loss, wrt=nnx.Param, place=jnp.asarray):
+def optax_run(model, tx, data, loss_fn=lm_loss, wrt=nnx.Param, place=jnp.asarray, line_search=False):
     """The reference: plain jit(value_and_grad) + optax on the unwrapped NNX model; losses and final params.
 
     ``place`` puts the params, optimizer state and each batch where the step runs (default: as they are;
-    e.g. replicated on a mesh set with ``jax.set_mesh``).
+    e.g. replicated on a mesh set with ``jax.set_mesh``); ``line_search``: see :func:`optax_steps`.
     """
     gdef, params, rest = nnx.split(model, wrt, ...)
     params, rest = jax.tree.map(place, (params, rest))
-    losses, params = optax_steps(lambda p: nnx.merge(gdef, p, rest), params, tx, data, loss_fn, place, place)
+    losses, params = optax_steps(lambda p: nnx.merge(gdef, p, rest), params, tx, data, loss_fn, place, place,
+                                 line_search)
     return losses, flat(nnx.state(nnx.merge(gdef, params, rest), nnx.Param))
 
 

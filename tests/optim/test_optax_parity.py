@@ -162,3 +162,33 @@ def test_train_steps_overlapped_matches_plain_jit(tmp_path, references, name, wh
         assert_params_close(flat(eng.params()), ref_params)
     finally:
         eng.close()
+
+
+@pytest.fixture(scope="module")
+def lbfgs_reference():
+    return optax_run(ctor(), optax.lbfgs(), [batch_at(DATA, s, 8, CFG.seq) for s in range(STEPS)], line_search=True)
+
+
+@pytest.mark.parametrize("where", [pytest.param(w, marks=() if w in ("none", "cpu") else pytest.mark.slow)
+                                   for w in PLACEMENTS])
+def test_lbfgs_runs_where_the_step_program_has_the_loss(tmp_path, lbfgs_reference, where):
+    """optax.lbfgs's zoom line search calls the loss at trial points (``value_fn``): with params in device memory and
+    the update in the step's program (state in device memory, or moved there: optimizer_update="device") it trains
+    as plain jit + optax given ``value_fn``; every other placement is refused up front, naming the transform, the
+    reason and the fix ([Note: a line search] in zinf_jax.engine.compiled)."""
+    if where in ("nvme", "cpu"):
+        with pytest.raises(zinf.ConfigError) as e:
+            zinf.initialize(ctor, config=config(tmp_path, where), optimizer=optax.lbfgs(), loss_fn=lm_loss)
+        msg = str(e.value)
+        assert "scale_by_lbfgs" in msg and "value_fn" in msg and "line search" in msg and "offload_param='none'" in msg
+        return
+    ref_losses, ref_params = lbfgs_reference
+    eng = zinf.initialize(ctor, config=config(tmp_path, where), optimizer=optax.lbfgs(), loss_fn=lm_loss)
+    try:
+        losses = [eng.train_step(batch_at(DATA, s, 8, CFG.seq))["loss"] for s in range(STEPS)]
+        assert eng.optimizer.last_stats.get("in_program") == 1.0
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        assert ref_losses[-1] < ref_losses[0] - 1.0  # the line search's steps, not a stalled run
+        assert_params_close(flat(eng.params()), ref_params)
+    finally:
+        eng.close()

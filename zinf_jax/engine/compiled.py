@@ -54,7 +54,7 @@ from zinf_jax.engine.unroll import evaluate
 from zinf_jax.errors import EngineError
 from zinf_jax.optim.fused import FusedAdam
 from zinf_jax.plan.model_mesh import ModelMesh
-from zinf_jax.plan.partition import ParamLayout, from_stored, layer_layout
+from zinf_jax.plan.partition import ParamLayout, from_stored, layer_layout, to_stored
 from zinf_jax.plan.units import Plan, layer_count
 
 log = logging.getLogger(__name__)
@@ -545,6 +545,17 @@ class CompiledModel:
         glue = [j for j, p in enumerate(self.adapter.glue_paths) if p in self.fused.layouts]
         return per_slot, glue, [p for ps in per_slot for p in ps] + [self.adapter.glue_paths[j] for j in glue]
 
+    # [Note: a line search]
+    # optax.lbfgs (and any transform built on scale_by_zoom_linesearch or scale_by_backtracking_linesearch)
+    # calls value_fn, the loss as a function of the parameters, at trial points inside its update, and
+    # differentiates it (jax.value_and_grad). Only the fused train program has the loss at hand: the update
+    # runs in the same program as the step, with params and state in device memory. There value_fn is the
+    # step's own loss function at the trial values (the same batch, model state and RNG; new model state
+    # discarded), and its gradient is the step's own backward (the gradient taps): a custom_vjp whose
+    # forward runs the step program's body once and keeps its gradients for the pullback, so a trial point
+    # costs one forward and backward, as under plain jax.value_and_grad. Every other placement refuses the
+    # transform up front (update_in_program).
+
     def _fused_program(self, traced: Traced, slots: Slots, has_aux: bool) -> Callable:
         """The train program with the optimizer step in it (see :mod:`zinf_jax.optim.fused`)."""
         step = self._train_program(traced, slots, has_aux)
@@ -555,18 +566,8 @@ class CompiledModel:
             x = master.astype(self.store.dtype_of(path))
             return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, lay.spec))
 
-        def run(trained, glue, frozen, rest, scale, reads, states, scalars):
-            loss, aux, new_state, batch_state, g_trained, g_glue = step(trained, glue, frozen, rest, scale, reads)
-            grads = []
-            for slot, g in zip(slots.trained, g_trained):  # a stack's in its pieces: [Note: staged gradients]
-                if isinstance(slot, str):
-                    grads.append(jnp.concatenate(g) if isinstance(g, tuple) else g)
-                else:
-                    grads += [piece[k] for piece in g for k in range(piece.shape[0])]
-            grads += [g_glue[j] for j in glue_trained]
-            masters, new_states, norm, finite = self.fused.update(paths, grads, states, scalars, value=loss)
-            new_params = [stored(p, m) for p, m in zip(paths, masters)]
-            by_path = dict(zip(paths, new_params))
+        def as_slots(by_path: dict[str, jax.Array], glue: Sequence[jax.Array]) -> tuple[list, list]:
+            """The trained arguments and the glue of stored-form values ``by_path``."""
             new_slots = []
             for slot, ps in zip(slots.trained, per_slot):
                 if isinstance(slot, str):
@@ -575,6 +576,47 @@ class CompiledModel:
                     spec = P(None, *self.store.layouts[ps[0]].spec)
                     new_slots.append(jax.lax.with_sharding_constraint(jnp.stack([by_path[p] for p in ps]),
                                                                       NamedSharding(self.mesh, spec)))
+            new_glue = list(glue)
+            for j in glue_trained:
+                new_glue[j] = by_path[self.adapter.glue_paths[j]]
+            return new_slots, new_glue
+
+        def flat_grads(g_trained: Sequence[Any], g_glue: Sequence[Any]) -> list[jax.Array]:
+            """The gradients in ``paths`` order (a stack's in its pieces: [Note: staged gradients])."""
+            grads = []
+            for slot, g in zip(slots.trained, g_trained):
+                if isinstance(slot, str):
+                    grads.append(jnp.concatenate(g) if isinstance(g, tuple) else g)
+                else:
+                    grads += [piece[k] for piece in g for k in range(piece.shape[0])]
+            return grads + [g_glue[j] for j in glue_trained]
+
+        def loss_at(glue, frozen, rest, reads) -> Callable[[dict[str, jax.Array]], jax.Array]:
+            """The step's loss at other values of the trained parameters (``{path: value}``, own shapes), for a
+            line search (``value_fn``): differentiated by the step's own backward (see [Note: a line search])."""
+            lays = [self.store.layouts[p] for p in paths]
+
+            def run_at(values):
+                by_path = {p: stored(p, to_stored(lay, v)) for p, lay, v in zip(paths, lays, values)}
+                t, g = as_slots(by_path, glue)
+                loss, _, _, _, g_trained, g_glue = step(t, g, frozen, rest, jnp.float32(1), reads)
+                return loss, [from_stored(lay, x) for lay, x in zip(lays, flat_grads(g_trained, g_glue))]
+
+            @jax.custom_vjp
+            def value(values):
+                return run_at(values)[0]
+
+            value.defvjp(run_at, lambda grads, ct: ([ct * x for x in grads],))
+            return lambda by_path: value([by_path[p] for p in paths])
+
+        def run(trained, glue, frozen, rest, scale, reads, states, scalars):
+            loss, aux, new_state, batch_state, g_trained, g_glue = step(trained, glue, frozen, rest, scale, reads)
+            grads = flat_grads(g_trained, g_glue)
+            value_fn = loss_at(glue, frozen, rest, reads) if self.fused.calls_loss else None
+            masters, new_states, norm, finite = self.fused.update(paths, grads, states, scalars, value=loss,
+                                                                  value_fn=value_fn)
+            new_params = [stored(p, m) for p, m in zip(paths, masters)]
+            new_slots, _ = as_slots(dict(zip(paths, new_params)), glue)
             return loss, aux, new_state, batch_state, new_slots, new_params, new_states, norm, finite
 
         return run

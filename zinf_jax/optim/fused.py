@@ -45,6 +45,8 @@ from zinf_jax.optim.choose import loss_scaling
 from zinf_jax.optim.driver import StreamedOptimizer
 from zinf_jax.optim.fused_optax import from_flat, optax_update, small_leaves, to_flat
 from zinf_jax.optim.kernel import AdamCoefficients
+from zinf_jax.optim.optax_rule import as_transform, describe
+from zinf_jax.optim.optax_split import calls_loss
 from zinf_jax.optim.scaling import update_loss_scale
 from zinf_jax.plan.partition import local_positions
 from zinf_jax.tiers.base import np_dtype
@@ -97,7 +99,8 @@ def update_in_program(spec: Any, config: ZeroConfig, where: Any, *, compute_dtyp
 
     Raises:
       ConfigError: ``optimizer_update="device"`` with the optimizer on a host tier, and the update cannot run in
-        the step's program (the message says why and how to fix it).
+        the step's program; or the optimizer calls the loss (a line search) and the update cannot run there (the
+        message says why and how to fix it).
     """
     on_device = config.optimizer_update == "device"
     why = fused_refusal(
@@ -105,11 +108,26 @@ def update_in_program(spec: Any, config: ZeroConfig, where: Any, *, compute_dtyp
         accumulation=config.gradient_accumulation_steps, loss_scaling=loss_scaling(config, compute_dtype) is not None,
         grad_tier=where.grads is not None, largest_shard=largest_shard, sub_group_size=config.sub_group_size,
         update_on_device=on_device)
+    if why is not None and (name := _line_search(spec)) is not None:
+        detail = (f"the optax transform {name!r} calls the loss in its line search (value_fn), "
+                  "and only the compiled step with params and optimizer state in device memory runs its update in the "
+                  f"program that has the loss (here: {why}). Fix: offload_param='none', offload_optimizer='none' and "
+                  "engine='compiled' (or 'auto'), or a transform without a line search")
+        raise ConfigError(f"optimizer: {detail}", field="optimizer", detail=detail)
     if why is not None and on_device and where.optimizer.device != "none":
         detail = (f"the update cannot run in the step's program with {why}. Fix: change that, or "
                   "optimizer_update='host' (the streamed CPU update)")
         raise ConfigError(f"ZeroConfig.optimizer_update='device': {detail}", field="optimizer_update", detail=detail)
     return why is None
+
+
+def _line_search(spec: Any) -> str | None:
+    """The name of an optax transform that calls the loss (a line search: :func:`calls_loss`), else ``None``."""
+    import optax
+
+    if isinstance(spec, optax.GradientTransformation) and calls_loss(tx := as_transform(spec)):
+        return describe(tx)
+    return None
 
 
 class FusedAdam(StreamedOptimizer):
@@ -136,6 +154,11 @@ class FusedAdam(StreamedOptimizer):
         self._optax = not isinstance(self.spec, AdamSpec)  # See zinf_jax.optim.fused_optax
         self._small: dict[str, tuple[tuple[int, ...], list[jax.Array]]] = {}  # path -> (host leaves' ids, on device)
         self._new_small: dict[str, list[jax.Array]] = {}  # the last program's small leaves, until applied
+
+    @property
+    def calls_loss(self) -> bool:
+        """The update calls the loss (an optax line search's ``value_fn``): the program passes it."""
+        return self._optax and self.rule.calls_loss
 
     # --- the state as the program takes it -------------------------------------------
     def _flat_sharding(self, path: str) -> NamedSharding:
@@ -259,14 +282,15 @@ class FusedAdam(StreamedOptimizer):
         return np.float32(self.rule.lr_at(self._count)), bias_correction(sp.b1, t), bias_correction(sp.b2, t)
 
     def update(self, paths: Sequence[str], grads: Sequence[jax.Array], states: Sequence[Sequence[jax.Array]],
-               scalars: Sequence[jax.Array], value: jax.Array | None = None
+               scalars: Sequence[jax.Array], value: jax.Array | None = None, value_fn: Any = None
                ) -> tuple[list[jax.Array], list[list[jax.Array]], jax.Array, jax.Array]:
         """One step inside the program: stored-form float32 gradients in; new stored-form float32 masters, new
         flat states, the global norm and whether it was finite out (not finite: everything as it was).
-        ``value``: the step's loss (an optax transform's ``value=``)."""
+        ``value``: the step's loss (an optax transform's ``value=``); ``value_fn``: the loss as a function of
+        ``{path: param}`` (a line search's, when :attr:`calls_loss`)."""
         if self._optax:
             return optax_update(self.rule, self.layouts, paths, grads, states,
-                                {p: len(self._names[p]) for p in paths}, value)
+                                {p: len(self._names[p]) for p in paths}, value, value_fn)
         sp = self.spec
         lr, bc1, bc2 = scalars
         flat_g = [to_flat(self.layouts[p], g.astype(jnp.float32)) for p, g in zip(paths, grads)]

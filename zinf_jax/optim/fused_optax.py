@@ -59,8 +59,8 @@ def _flat(lay: ParamLayout, y: jax.Array) -> jax.Array:
 
 
 def optax_update(rule: Any, layouts: dict[str, ParamLayout], paths: Sequence[str], grads: Sequence[jax.Array],
-                 rows: Sequence[Sequence[jax.Array]], n_tier: dict[str, int], value: jax.Array | None
-                 ) -> tuple[list[jax.Array], list[list[jax.Array]], jax.Array, jax.Array]:
+                 rows: Sequence[Sequence[jax.Array]], n_tier: dict[str, int], value: jax.Array | None,
+                 value_fn: Any = None) -> tuple[list[jax.Array], list[list[jax.Array]], jax.Array, jax.Array]:
     """One optax step inside the program (traced).
 
     Args:
@@ -72,6 +72,8 @@ def optax_update(rule: Any, layouts: dict[str, ParamLayout], paths: Sequence[str
         (:func:`small_leaves`; each group in the order of the state's leaves).
       n_tier: per path, how many of ``rows`` are the master and tier states.
       value: the step's loss (``value=`` of a ``GradientTransformationExtraArgs``).
+      value_fn: the step's loss as a function of ``{path: param}`` in the parameters' own shapes (a line
+        search's ``value_fn=``; see :meth:`~zinf_jax.optim.optax_rule.OptaxRule.apply`).
 
     Returns:
       New stored-form float32 masters, new rows (the same form), the global norm and whether it was finite
@@ -92,7 +94,7 @@ def optax_update(rule: Any, layouts: dict[str, ParamLayout], paths: Sequence[str
         master, tier_states, scalars, odd = parts[path]
         leaves = rule.leaves(path, tier_states, scalars, odd, lambda x: _real(lay, x.astype(jnp.float32)))
         items[path] = (_real(lay, master), _real(lay, g * mult), leaves)
-    out = rule.apply(items, jnp.float32(0) if value is None else value)
+    out = rule.apply(items, jnp.float32(0) if value is None else value, value_fn)
     masters, new_rows = [], []
     for path in paths:
         lay = layouts[path]

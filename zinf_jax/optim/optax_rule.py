@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zinf_jax.errors import ConfigError
-from zinf_jax.optim.optax_split import (Refusal, assemble, disassemble, extra_args, host_device, leaf, merged, nest,
+from zinf_jax.optim.optax_split import (Refusal, assemble, calls_loss, disassemble, extra_args, host_device, leaf, merged, nest,
                                         proven)
 from zinf_jax.optim.subgroups import Span
 
@@ -229,6 +229,8 @@ class OptaxRule:
         self.clip_norm = leading_global_clip(tx)
         self.tx = tx = without_head_clip(tx) if self.clip_norm is not None else tx
         self.extras = extra_args(tx)
+        self.calls_loss = calls_loss(tx)
+        """The transform calls the loss (``value_fn``: a line search); only the compiled step's program gives it."""
         self._info: dict[str, _PathInfo] = {}
         self._scalars: dict[str, list[np.ndarray]] = {}
         self._odd: dict[str, list[np.ndarray]] = {}  # whole path: leaves of their own shapes, in RAM
@@ -253,10 +255,6 @@ class OptaxRule:
             why = f"its init and update fail on the model's parameters ({type(e).__name__}: {e})"
             fix = ("give masks and labels (optax.masked, multi_transform, weight-decay masks) as callables of the "
                    "params tree, not as fixed pytrees")
-            if "value_fn" in str(e):
-                why = ("its line search calls value_fn (the loss as a function of the parameters), which the engine "
-                       "does not give an optimizer")
-                fix = "use a transform without a line search (optax.adam, optax.polyak_sgd, optax.contrib.prodigy)"
             raise self._error(why, fix) from e
         self.tree = self.split.tree
         """Why every parameter is updated in one update over the tree (``None``: each alone)."""
@@ -338,14 +336,24 @@ class OptaxRule:
         return [shape_elem(next(ie)).astype(dt) if k == "elem" else next(isc) if k == "scalar" else next(io)
                 for k, dt in zip(info.kinds, info.dtypes)]
 
-    def apply(self, items: Mapping[Any, tuple[Any, Any, Sequence[Any]]], value: Any) -> dict[Any, tuple[Any, list]]:
+    def apply(self, items: Mapping[Any, tuple[Any, Any, Sequence[Any]]], value: Any,
+              value_fn: Callable[[dict[str, Any]], Any] | None = None) -> dict[Any, tuple[Any, list]]:
         """The transform's step on ``items`` (traced): per path ``(param, grad, state leaves as stored)`` in the
         shape the rule presents the path in, to ``(new param, new state leaves as stored)``. Every path at once
         for a tree-coupled transform; each alone otherwise (a chunk, a shard or a whole tensor; keyed by its
-        path, or by ``(path, k)`` where several pieces of one path are updated together)."""
+        path, or by ``(path, k)`` where several pieces of one path are updated together).
+
+        ``value_fn``: the step's loss as a function of ``{path: param}`` (differentiable), for a transform that
+        calls the loss (:attr:`calls_loss`: a line search); it gets it as optax's ``value_fn=``, with ``grad=``."""
         import optax
 
         extra = {"value": jnp.asarray(value, jnp.float32)} if self.extras else {}
+        if self.calls_loss:
+            if value_fn is None or self.tree is None:
+                raise ValueError(f"the optax transform {self.name!r} calls the loss: the compiled step gives it")
+            keys = {p: self._info[p].keys for p in items}
+            extra["grad"] = merged({p: g for p, (_, g, _) in items.items()})
+            extra["value_fn"] = lambda tree: value_fn({p: leaf(k, tree) for p, k in keys.items()})
 
         def wrapped(path: str, leaves: Sequence[Any]) -> list[Any]:
             return [x if impl is None else jax.random.wrap_key_data(x, impl=impl)

@@ -50,6 +50,7 @@ import jax.numpy as jnp
 from zinf_jax.optim.optax_flow import Dep, flow, program_text
 
 __all__ = ["Split", "Refusal", "prove", "proven", "nest", "leaf", "merged", "assemble", "disassemble", "extra_args",
+           "calls_loss",
            "host_device"]
 
 
@@ -88,12 +89,32 @@ def merged(items: Mapping[str, Any]) -> dict:
 
 def extra_args(tx: Any) -> dict[str, Any]:
     """The extra arguments the engine passes to ``tx.update`` (a ``GradientTransformationExtraArgs``): the
-    step's loss as ``value``, a float32 scalar (as abstract values)."""
+    step's loss as ``value``, a float32 scalar (as abstract values). A transform that also calls the loss
+    (:func:`calls_loss`) gets ``grad`` and ``value_fn`` besides."""
     import optax
 
     if isinstance(tx, optax.GradientTransformationExtraArgs):
         return {"value": jax.ShapeDtypeStruct((), jnp.float32)}
     return {}
+
+
+def calls_loss(tx: Any) -> bool:
+    """Whether ``tx.update`` needs ``value_fn`` (the loss as a function of the parameters) and ``grad``: a line
+    search (``optax.lbfgs``, ``scale_by_zoom_linesearch``, ``scale_by_backtracking_linesearch``), asked on a
+    one-leaf tree (abstractly)."""
+    if not extra_args(tx):
+        return False
+    p = {"w": jax.ShapeDtypeStruct((2,), jnp.float32)}
+    try:
+        jax.eval_shape(lambda q: tx.update(q, tx.init(q), q, value=jnp.float32(0)), p)
+    except TypeError as e:
+        return "value_fn" in str(e)
+    return False
+
+
+def _loss_of_all(params: Any) -> jax.Array:
+    """What the proof calls as ``value_fn``: a scalar that reads every element of every parameter (the loss does)."""
+    return sum((jnp.sum(x * x) for x in jax.tree.leaves(params)), jnp.float32(0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,10 +167,12 @@ def _update_jaxpr(tx: Any, params: Any, state: Any, extras: Mapping[str, Any]) -
     p_leaves, pdef = jax.tree.flatten(params)
     s_leaves, sdef = jax.tree.flatten(state)
     names = sorted(extras)
+    loss = calls_loss(tx)
 
     def run(g, s, p, x):
+        more = {"grad": jax.tree.unflatten(pdef, g), "value_fn": _loss_of_all} if loss else {}
         u, ns = tx.update(jax.tree.unflatten(pdef, g), jax.tree.unflatten(sdef, s), jax.tree.unflatten(pdef, p),
-                          **dict(zip(names, x)))
+                          **dict(zip(names, x)), **more)
         if jax.tree.structure(ns) != sdef:
             raise Refusal(f"its update returns a state of another structure than its init "
                           f"({jax.tree.structure(ns)} vs {sdef})")

@@ -59,6 +59,10 @@ def _row(label: str, make: Callable[[], Any]) -> tuple[str, str, str, str]:
     except ConfigError as e:
         return label, f"refused: {e.detail}", "refused", "refused"
     value = "; reads the loss (`value=`)" if rule.reads_value else ""
+    if rule.calls_loss:
+        return (label, f"whole tree: {rule.tree}; calls the loss (`value_fn`) in its line search",
+                "refused: only the step's program has the loss to call", "one update over the tree, the loss "
+                "and its gradient at each trial point computed by the step (params and state in device memory)")
     if rule.tree is not None:
         return (label, f"whole tree: {rule.tree}{value}", "the whole tree in one update (all of its state in host "
                 "RAM at once)", "one update over the tree")
