@@ -245,14 +245,6 @@ class MemoryEstimate:
         return self.refusal is None and all(self.fits_tiers(machine).values())
 
 
-def _moment_bytes(config: ZeroConfig) -> int:
-    """Bytes of one stored moment element (``ZeroConfig.moments_dtype``)."""
-    return 2 if config.moments_dtype == "bfloat16" else 4
-
-
-def _state_bytes(config: ZeroConfig) -> int:
-    """Optimizer state bytes per trained element: the fp32 master and Adam's two moments."""
-    return 4 + 2 * _moment_bytes(config)
 
 
 def _estimate(d: StepDigest, config: ZeroConfig, pt: str, ot: str, platform: str) -> MemoryEstimate:
@@ -269,10 +261,13 @@ def _estimate(d: StepDigest, config: ZeroConfig, pt: str, ot: str, platform: str
     shared = where.shared_master  # See [Note: shared fp32 master]
     stream, host_fb = simulate(d, config.prefetch_depth, config.max_live_bytes, where.activations, grads_out)
     on_dev, cpu_p, cpu_o = d.store if pt == "none" else 0, d.store if pt == "cpu" else 0, d.opt if ot == "cpu" else 0
-    # optimizer_update="device": the whole state is on the devices during the step (read ahead of its puts)
+    # optimizer_update="device": a cpu tier's states move through the step's program, a window at a time on a GPU
+    # (all of them at once on a TPU: [Note: states moved in the program]); an nvme tier's are all on the devices
     moved_in = in_program and ot != "none"
+    window = d.opt if platform == "tpu" or ot == "nvme" else min(
+        d.opt, (config.max_in_flight_bytes + config.state_bytes * d.largest_shard) * d.n_local)
     fixed = {"unit_state": d.rests, "persistent_params": d.glue,
-             "optimizer_state": d.opt if ot == "none" or moved_in else 0}
+             "optimizer_state": d.opt if ot == "none" else window if moved_in else 0}
     dev = {**stream, **fixed, "param_tier": on_dev}  # the stream's peak; the optimizer step adds nothing on device
 
     def per_device(items: Mapping[str, int]) -> int:
@@ -284,8 +279,9 @@ def _estimate(d: StepDigest, config: ZeroConfig, pt: str, ot: str, platform: str
     # (none but the whole-tensor parameters' where the state is updated in place: [Note: updates in place])
     per_set = max(buffer_set_bytes(config, where, d.packs, d.max_chunk), d.whole.set_bytes)
     sets = buffer_sets(config, where, d.groups, d.whole)
-    buffers = (min(d.opt, MOVE_IN_AHEAD) if moved_in else min(config.offload_optimizer.buffer_count, sets)
-               * per_set + d.assembly + d.whole.gather_bytes)
+    # moved in: an nvme tier's read-ahead; a cpu tier's new states, put in host memory by the program beside the old
+    buffers = ((min(d.opt, MOVE_IN_AHEAD) if ot == "nvme" else d.opt) if moved_in
+               else min(config.offload_optimizer.buffer_count, sets) * per_set + d.assembly + d.whole.gather_bytes)
     if grads_out:  # the small shards stay in RAM as the backward produces them
         host_fb = {**host_fb, "grad_sink": host_fb.get("grad_sink", 0) + d.grad_ram}
     host = max([{**host_fb, "param_tier": cpu_p, "optimizer_state": cpu_o},
@@ -315,7 +311,8 @@ def _estimate(d: StepDigest, config: ZeroConfig, pt: str, ot: str, platform: str
     step_host = (dev.get("activations", 0) + d.workspace * d.n_local) if platform == "cpu" else 0
     item = jnp.dtype(d.compute_dtype).itemsize
     pinned = plan_pinned(params_bytes=cpu_p, trained_params_bytes=d.grad * item // 4, gradient_bytes=d.grad,
-                         param_tier=pt, grads_to_host=ot != "none" and not moved_in, compiled=where.engine == "compiled")
+                         param_tier=pt, grads_to_host=ot != "none" and not moved_in, compiled=where.engine == "compiled",
+                         moved_state_bytes=d.opt if moved_in and ot == "cpu" else 0)
     return MemoryEstimate(
         param_tier=pt, optimizer_tier=ot, device_bytes=per_device(dev), device_bytes_local=sum(dev.values()),
         host_bytes=sum(host.values()), nvme_bytes=sum(nvme.values()), breakdown=breakdown,
@@ -394,9 +391,9 @@ def estimate_from_sizes(
         store=params * c // P, store_sharded=(params - glue_el) * c // P,
         store_disk=params * c // P + store_pad, store_disk_trained=params * c // P + store_pad,
         store_io_trained=params * c // P,
-        grad=params * 4 // P, opt=_state_bytes(config) * params // P,
-        opt_disk=_state_bytes(config) * params // P + pad(4) + 2 * pad(_moment_bytes(config)),
-        opt_io=_state_bytes(config) * params // P,
+        grad=params * 4 // P, opt=config.state_bytes * params // P,
+        opt_disk=config.state_bytes * params // P + pad(4) + 2 * pad(config.moment_bytes),
+        opt_io=config.state_bytes * params // P,
         grad_ram=grad_ram, grad_disk=grad_out and grad_out + (12 * layers + 3 + untied) * _KEY_METADATA_BYTES,
         grad_io=grad_out,
         **_pool(config, [(shard, max(1, (params // P) // max(shard, 1)))]),
@@ -516,14 +513,14 @@ def estimate_from_model(
         store_disk_trained=sum(on_disk(layouts[p].shard_shape, item[p]) * shards[p] for p in trained),
         store_io_trained=sum(padded(layouts[p].shard_shape, item[p]) * shards[p] for p in trained),
         grad=sum(4 * local[p] for p in trained),
-        opt=sum(_state_bytes(config) * n_chunks[p] * chunk[p] * shards[p] for p in trained),
+        opt=sum(config.state_bytes * n_chunks[p] * chunk[p] * shards[p] for p in trained),
         grad_ram=sum(4 * n_chunks[p] * chunk[p] * shards[p] for p in trained if stays_in_ram(numel[p])),
         grad_disk=sum(n_chunks[p] * shards[p] * on_disk((chunk[p],), 4) + _KEY_METADATA_BYTES + len(p) + 3 * shards[p]
                       for p in trained if not stays_in_ram(numel[p])),
         grad_io=sum(n_chunks[p] * shards[p] * padded((chunk[p],), 4) for p in trained if not stays_in_ram(numel[p])),
         opt_disk=sum(n_chunks[p] * shards[p] * (on_disk((chunk[p],), 4)
-                                                + 2 * on_disk((chunk[p],), _moment_bytes(config))) for p in trained),
-        opt_io=sum(n_chunks[p] * shards[p] * (padded((chunk[p],), 4) + 2 * padded((chunk[p],), _moment_bytes(config)))
+                                                + 2 * on_disk((chunk[p],), config.moment_bytes)) for p in trained),
+        opt_io=sum(n_chunks[p] * shards[p] * (padded((chunk[p],), 4) + 2 * padded((chunk[p],), config.moment_bytes))
                    for p in trained),
         **_pool(config, [(numel[p], shards[p]) for p in trained if p not in whole.paths], extra=len(whole.paths)),
         assembly=4 * max((numel[p] for p in trained if n_chunks[p] > 1), default=0),

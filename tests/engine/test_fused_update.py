@@ -147,6 +147,29 @@ def test_state_on_nvme_updated_on_the_device_is_the_device_memory_run_bitwise(fu
     host.close()
 
 
+@pytest.mark.parametrize("window", [1, 1 << 30])
+def test_state_in_host_ram_moves_through_the_program_bitwise(fused_run, window):
+    """``optimizer_update="device"`` with the state on the cpu tier: the tier holds it in pinned host memory, the
+    program moves each parameter's states in and back out ([Note: states moved in the program]), one parameter at a
+    time (a window of 1 byte) or all ahead: the device-memory run's numbers bit for bit, and the tier's arrays are
+    the program's outputs, in pinned host memory."""
+    eng, ms = fused_run
+    cfg = zinf.ZeroConfig(offload_optimizer=zinf.Offload("cpu"), optimizer_update="device", engine="compiled",
+                          gradient_clipping=CLIP, persistence_threshold=600, max_in_flight_bytes=window)
+    dev = zinf.initialize(ctor, config=cfg, loss_fn=lm_loss, optimizer=adamw())
+    try:
+        assert isinstance(dev.optimizer, FusedAdam) and dev.optimizer.window == window
+        got = [dev.train_step(b) for b in batches(STEPS)]
+        assert [m["loss"] for m in got] == [m["loss"] for m in ms]
+        a, b = dev.param_arrays(), eng.param_arrays()
+        assert all(a[k].tobytes() == b[k].tobytes() for k in b)
+        path = next(iter(dev.trainable))
+        held = dev.opt_tier.current(f"v/{path}", dev.optimizer._local[path][0])
+        assert held.sharding.memory_kind == "pinned_host"
+    finally:
+        dev.close()
+
+
 def test_device_update_refuses_what_its_program_cannot_take(tmp_path):
     """Params offloaded, accumulation: a ConfigError naming the setting, before the nvme tier is written."""
     nvme = zinf.Offload("nvme", path=str(tmp_path))

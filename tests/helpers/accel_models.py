@@ -93,9 +93,10 @@ CONFIGS: dict[str, dict] = {
 """Engine settings the step is compiled with (``model_dtype``: the model's own activation dtype, where it has one)."""
 
 
-def build(model: str, config: str, devices: int = 8) -> tuple[Any, Any]:
-    """An engine for ``model`` (``gpt``, ``vit``, ``scan``) with ``CONFIGS[config]``, and a batch."""
-    kw = dict(CONFIGS[config])
+def build(model: str, config: str, devices: int = 8, **settings: Any) -> tuple[Any, Any]:
+    """An engine for ``model`` (``gpt``, ``vit``, ``scan``) with ``CONFIGS[config]`` (and other ``ZeroConfig``
+    ``settings``), and a batch."""
+    kw = {**CONFIGS[config], **settings}
     param, opt, dtype = kw.pop("param"), kw.pop("opt"), kw.pop("model_dtype", jnp.float32)
     cfg = zinf.ZeroConfig(offload_param=zinf.Offload(param), offload_optimizer=zinf.Offload(opt),
                           persistence_threshold=0, **kw)

@@ -37,15 +37,17 @@ def test_the_pool_setting_follows_the_plan_before_the_runtime_starts():
     assert pool_decision(plan, platform="gpu", client_started=False, environ={POOL_VARIABLE: "8"}).action == "refuse"
 
 
-def _plan(param: str, opt: str):
+def _plan(param: str, opt: str, update: str = "host"):
     cfg = zinf.ZeroConfig(offload_param=zinf.Offload(param), offload_optimizer=zinf.Offload(opt),
-                          persistence_threshold=0)
+                          persistence_threshold=0, optimizer_update=update)
     mesh = zinf.make_mesh()
     eng = zinf.initialize(lambda: GPT(CFG, rngs=nnx.Rngs(0)), config=cfg, mesh=mesh, loss_fn=lambda m, b: 0.0)
     c = eng.components
     plan = pinned_of(c.layouts, [u.param_paths for u in c.adapter.units], c.trainable,
                      n_idx=len(local_shard_devices(c.mesh, cfg.zero_axes)), where=c.placement,
-                     compute_dtype=c.compute_dtype, fused=c.passes.fused is not None)
+                     compute_dtype=c.compute_dtype, fused=c.passes.fused is not None, state_bytes=cfg.state_bytes)
+    if update == "device":  # the states the program takes and gives in pinned host memory: the tier's, twice
+        assert plan.items["optimizer_state"] == 2 * c.opt_tier.stored_bytes() > 0
     eng.close()
     return plan, cfg
 
@@ -62,9 +64,10 @@ def test_the_engine_refuses_a_step_over_the_pool_before_building_and_sets_it_whe
     assert os.environ[POOL_VARIABLE] == str(PinnedPlan(items={"params": 100 << 30}).pool_gb)
 
 
-@pytest.mark.parametrize("param, opt", [("cpu", "cpu"), ("none", "cpu")])
-def test_the_estimator_reports_the_pinned_bytes_the_engine_plans(param, opt):
-    plan, cfg = _plan(param, opt)
+@pytest.mark.parametrize("param, opt, update", [("cpu", "cpu", "host"), ("none", "cpu", "host"),
+                                               ("none", "cpu", "device")])
+def test_the_estimator_reports_the_pinned_bytes_the_engine_plans(param, opt, update):
+    plan, cfg = _plan(param, opt, update)
     est = {(e.param_tier, e.optimizer_tier): e for e in
            estimate_from_model(lambda: GPT(CFG, rngs=nnx.Rngs(0)), config=cfg, batch=8, seq=CFG.seq,
                                mesh=zinf.make_mesh())}[(param, opt)]

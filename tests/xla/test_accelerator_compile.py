@@ -82,6 +82,37 @@ def test_every_step_compiles_for_every_accelerator_at_the_byte_minimum_overlappe
 
 
 @pytest.mark.parametrize("target", [pytest.param("h100", marks=_needs("h100")), pytest.param("v5e", marks=_needs("v5e"))])
+def test_the_device_update_moves_states_through_the_program_a_window_at_a_time(target):
+    """``optimizer_update="device"`` with the state in host RAM: each parameter's states move into device memory and
+    back inside the step's program ([Note: states moved in the program]), each once; on a GPU never more in device
+    memory at once than the window (``max_in_flight_bytes``) and one parameter's states, and with a window as large
+    as the whole state they all move in ahead. XLA:TPU moves every state in at the top of the program either way
+    (what this test pins, so a change shows)."""
+    platform = next(t.platform for t in TARGETS if t.name == target)
+    peaks = {}
+    for window in (160_000, 1 << 30):
+        eng, batch = build("gpt", "device-update", max_in_flight_bytes=window)
+        try:
+            (r,) = compile_programs([("train", eng.lower(batch, program="train", platforms=(platform,)))], target,
+                                    options=eng.passes.compiler_options(platform))
+            assert r.ok and not r.warnings and not r.summary["host_compute"], (r.error, r.warnings[:3])
+            opt = eng.optimizer
+            states = {p: opt.state_bytes(p) for p in opt.layouts}
+            moves = [t for t in hlo.transfers(r.module) if t.computation == r.module.entry]
+            assert sum(t.total for t in moves if t.to_device) == sum(states.values())  # every state in once...
+            assert sum(t.total for t in moves if not t.to_device) == sum(states.values())  # ...and out once
+            peaks[window] = hlo.peak_moved_in(r.module)
+        finally:
+            eng.close()
+    total = sum(states.values())
+    if platform == "tpu":  # XLA:TPU starts every move-in at the top of the program, whatever the barriers say
+        assert peaks[160_000] == peaks[1 << 30] == total, peaks
+        return
+    assert peaks[160_000] <= 160_000 + max(states.values()) < total, (peaks, total, max(states.values()))
+    assert peaks[1 << 30] > 160_000 + max(states.values()), peaks
+
+
+@pytest.mark.parametrize("target", [pytest.param("h100", marks=_needs("h100")), pytest.param("v5e", marks=_needs("v5e"))])
 def test_the_gpt_step_with_params_and_optimizer_on_the_host_compiles_for_a_gpu_and_a_tpu(target):
     eng, batch = _engine("gpt", "cpu-cpu")
     check(eng, batch, target)

@@ -204,7 +204,9 @@ class ZeroConfig:
     activation checkpointing do (no recompute, no backward fetch: faster, more device memory); the
     gathered parameters are still never kept."""
     max_in_flight_bytes: int = checked(1 << 30, as_int, 1)
-    """Bytes of tier reads and writes in flight at once (back-pressure bound)."""
+    """Bytes of tier reads and writes in flight at once (back-pressure bound); with ``optimizer_update="device"``
+    and the state on a host tier, also the bytes per device of optimizer states the step's program moves into
+    device memory ahead of their update (see [Note: states moved in the program])."""
     host_memory_limit: int | None = checked(None, as_bytes, 1 << 20, optional=True)
     """Host RAM this process may use, in bytes (or a str: ``"8GiB"``, ``"16GB"``); ``None``: no budget. The engine
     plans every host buffer it owns from it (:mod:`zinf_jax.plan.host_memory`: nvme read staging and prefetch
@@ -265,6 +267,16 @@ class ZeroConfig:
             return "streamed"
         return "compiled"
 
+
+    @property
+    def moment_bytes(self) -> int:
+        """Bytes of one stored moment element (``moments_dtype``)."""
+        return 2 if self.moments_dtype == "bfloat16" else 4
+
+    @property
+    def state_bytes(self) -> int:
+        """Optimizer state bytes per trained element: the float32 master and Adam's two moments."""
+        return 4 + 2 * self.moment_bytes
 
     def resolved_compute_dtype(self, platform: str) -> str:
         """Returns ``compute_dtype``, or if None ``"float32"`` on CPU and ``"bfloat16"`` elsewhere.

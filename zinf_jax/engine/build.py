@@ -166,7 +166,8 @@ def build(adapter: Any, *, config: ZeroConfig, mesh: Mesh, optimizer: Any, init:
                               largest_shard=max((math.prod(l.shard_shape) for l in layouts.values()), default=0))
     n_idx = len(local)
     check_pinned_pool(pinned_of(layouts, [u.param_paths for u in adapter.units], trained, n_idx=n_idx, where=where,
-                                compute_dtype=compute_dtype, fused=fused), jax.devices()[0].platform)
+                                compute_dtype=compute_dtype, fused=fused, state_bytes=config.state_bytes),
+                      jax.devices()[0].platform)
 
     with contextlib.ExitStack() as undo:
         rebuild = init == "none"  # a restore writes every key: a tier a crash left half-updated is rebuilt
@@ -176,7 +177,8 @@ def build(adapter: Any, *, config: ZeroConfig, mesh: Mesh, optimizer: Any, init:
         undo.callback(close_quietly, opt_tier)
         grad_tier = None if where.grads is None else _open(where.grads, config, device_of)  # [Note: scratch gradients]
         undo.callback(close_quietly, grad_tier)
-        make = functools.partial(FusedAdam, mesh=mesh) if fused else StreamedOptimizer
+        make = (functools.partial(FusedAdam, mesh=mesh, window=config.max_in_flight_bytes)  # [Note: states moved in
+                if fused else StreamedOptimizer)                                          # the program]
         opt = make(
             spec, opt_tier, opt_layouts, local_indices=local_of, owner=owner, rule=rule,
             sub_group_size=config.sub_group_size, buffer_count=config.offload_optimizer.buffer_count,

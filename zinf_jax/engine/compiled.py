@@ -723,7 +723,8 @@ class CompiledModel:
         """The fewest bytes a step's program moves between host and device memory, per device (see
         [Note: moves ahead] and [Note: staged gradients] in :mod:`zinf_jax.engine.staged`): host parameters
         moved in once per call, and once more for the backward of a training step; with a host optimizer, each
-        trained parameter's float32 gradient moved out once. What XLA can show it moves."""
+        trained parameter's float32 gradient moved out once; with the update in the program and the state on a host
+        tier, each state moved in and out once. What XLA can show it moves."""
         train = program == "train"
         traced = self._traced(loss_fn, batch, glue, train)
         slots = self._slots_of(traced, train)
@@ -753,6 +754,9 @@ class CompiledModel:
                 h2d += sum(single(p) for uid in dict.fromkeys(c.uid for c in calls) for p in self.units[uid].param_paths)
         if train and self.grads_on_host and self.fused is None:
             d2h = sum(nbytes(p, dtype=jnp.float32) for p in self._train_paths)
+        if train and self.fused is not None:  # a host tier's states, in and out once: [Note: states moved in the program]
+            moved = self.fused.moved_bytes(self._fused_paths(slots)[2])
+            h2d, d2h = h2d + moved, d2h + moved
         return TransferBudget(h2d_bytes=h2d, d2h_bytes=d2h)
 
     def forward_backward(

@@ -96,7 +96,7 @@ def sizes_of(layouts: Mapping[str, ParamLayout], units: Sequence[Collection[str]
 
 
 def pinned_of(layouts: Mapping[str, ParamLayout], units: Sequence[Collection[str]], trained: Collection[str], *,
-              n_idx: int, where: Placement, compute_dtype: str, fused: bool) -> PinnedPlan:
+              n_idx: int, where: Placement, compute_dtype: str, fused: bool, state_bytes: int = 12) -> PinnedPlan:
     """The pinned host bytes of an engine's step on this process (:func:`zinf_jax.plan.pinned.plan_pinned`).
 
     Args:
@@ -104,6 +104,8 @@ def pinned_of(layouts: Mapping[str, ParamLayout], units: Sequence[Collection[str
       n_idx: the shard indices this process stores.
       where, compute_dtype: the engine's placement and compute dtype.
       fused: the optimizer's update runs in the step's program (its gradients stay on the devices).
+      state_bytes: optimizer state bytes per trained element (the master and the moments), moved through the
+        program where ``fused`` with the state on a host tier.
     """
     def nbytes(p: str, dtype: str) -> int:
         lay = layouts[p]
@@ -117,7 +119,9 @@ def pinned_of(layouts: Mapping[str, ParamLayout], units: Sequence[Collection[str
                        trained_params_bytes=sum(nbytes(p, dtype(p)) for p in paths if p in trained),
                        gradient_bytes=sum(nbytes(p, "float32") for p in paths if p in trained),
                        param_tier=where.params.device, grads_to_host=where.optimizer.device != "none" and not fused,
-                       compiled=where.engine == "compiled")
+                       compiled=where.engine == "compiled",
+                       moved_state_bytes=(sum(nbytes(p, "float32") for p in paths if p in trained) // 4 * state_bytes
+                                          if fused and where.optimizer.device == "cpu" else 0))
 
 
 def check_pinned_pool(plan: PinnedPlan, platform: str, *, client_started: bool = True) -> None:

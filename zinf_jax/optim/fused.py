@@ -23,11 +23,15 @@ last bits of the multiplier. A non-finite gradient skips the step (every state a
 as in the streamed step. With an optax transform the program runs the transform instead
 (:mod:`~zinf_jax.optim.fused_optax`).
 
-With ``optimizer_update="device"`` the tier is a host or nvme one: each step reads every state's local
-shards from it (:meth:`FusedAdam._move_in`, a bounded read-ahead), puts them on the devices as the
-program's inputs, and :meth:`FusedAdam.adopt` writes the program's outputs back to the tier before the
-step commits; nothing is kept on the devices between steps. In a multi-process job each process moves
-only its own shards: the global arrays are built from them (:meth:`FusedAdam._global_flat`).
+With ``optimizer_update="device"`` the tier is a host or nvme one. A cpu tier holds the states in pinned host
+memory: its arrays are the program's inputs as they are, it takes the program's outputs as its new arrays,
+and inside the program each parameter's states move into device memory and back, a bounded window at a time
+([Note: states moved in the program] in :mod:`~zinf_jax.optim.state_moves`). An nvme tier's states (the
+state that does not fit host RAM) are read into host buffers a bounded read-ahead at a time
+(:meth:`FusedAdam._move_in`) and put on the devices as the program's inputs, and :meth:`FusedAdam.adopt`
+writes the outputs back to it before the step commits. Nothing is kept on the devices between steps. In a
+multi-process job each process moves only its own shards: the global arrays are built from them
+(:meth:`FusedAdam._global_flat`).
 """
 from __future__ import annotations
 
@@ -48,6 +52,7 @@ from zinf_jax.optim.kernel import AdamCoefficients
 from zinf_jax.optim.optax_rule import as_transform, describe
 from zinf_jax.optim.optax_split import calls_loss
 from zinf_jax.optim.scaling import update_loss_scale
+from zinf_jax.optim.state_moves import Resident, StateMoves
 from zinf_jax.plan.partition import local_positions
 from zinf_jax.tiers.base import np_dtype
 
@@ -142,15 +147,20 @@ class FusedAdam(StreamedOptimizer):
       ValueError: a shard is cut into several sub-groups (``sub_group_size`` below a shard's size).
     """
 
-    def __init__(self, *args: Any, mesh: Mesh, **kwargs: Any):
+    def __init__(self, *args: Any, mesh: Mesh, window: int = 1 << 30, **kwargs: Any):
         super().__init__(*args, **kwargs)
         if any(n != 1 for n in self._nch.values()):
             raise ValueError("FusedAdam needs one sub-group per shard (raise sub_group_size)")
         self.mesh = mesh
+        self.window = window
+        """Bytes per device of states moved into device memory ahead of their update (a host tier's)."""
         self._cache: dict[str, tuple[tuple[int, ...], jax.Array]] = {}  # state key -> (tier objects' ids, array)
         self._pending: dict[str, Any] | None = None  # the metrics of a step the program applied
         self._adopted = -1  # the tier's version after the last adopt
         self._resident = self.tier.kind == "device"  # else the state moves in for each step and back out
+        self._in_program = self.tier.kind == "cpu" and self.tier.memory == "pinned_host"  # ... inside the program
+        self._held = self._resident or self._in_program  # the program takes the tier's arrays as they are
+        self._kind = "pinned_host" if self._in_program else "device"  # the memory the program takes the states in
         self._optax = not isinstance(self.spec, AdamSpec)  # See zinf_jax.optim.fused_optax
         self._small: dict[str, tuple[tuple[int, ...], list[jax.Array]]] = {}  # path -> (host leaves' ids, on device)
         self._new_small: dict[str, list[jax.Array]] = {}  # the last program's small leaves, until applied
@@ -161,13 +171,29 @@ class FusedAdam(StreamedOptimizer):
         return self._optax and self.rule.calls_loss
 
     # --- the state as the program takes it -------------------------------------------
-    def _flat_sharding(self, path: str) -> NamedSharding:
+    def _flat_sharding(self, path: str, kind: str | None = None) -> NamedSharding:
         lay = self.layouts[path]
-        return NamedSharding(self.mesh, P() if lay.dim is None else P(lay.axes))
+        return NamedSharding(self.mesh, P() if lay.dim is None else P(lay.axes), memory_kind=kind)
+
+    def moves(self) -> Resident | StateMoves:
+        """The moves of the states in a program (traced: one per program)."""
+        if not self._in_program:
+            return Resident()
+        return StateMoves(self.window, lambda p: self._flat_sharding(p, "device"),
+                          lambda p: self._flat_sharding(p, "pinned_host"))
+
+    def state_bytes(self, path: str) -> int:
+        """Bytes per device of ``path``'s states the program moves (its master and the rule's tier states)."""
+        return sum(self._numel[path] * np.dtype(np_dtype(self.tier.spec(f"{name}/{path}").dtype)).itemsize
+                   for name in self._names[path])
+
+    def moved_bytes(self, paths: Sequence[str]) -> int:
+        """Bytes per device the program moves each way for the states of ``paths`` (0 but for a cpu tier's)."""
+        return sum(self.state_bytes(p) for p in paths) if self._in_program else 0
 
     def states(self, paths: Sequence[str]) -> list[list[jax.Array]]:
         """Per path, its master and the rule's states as global flat arrays (see module doc)."""
-        if not self._resident:
+        if not self._held:
             return [row + (self._small_on_device(path) if self._optax else []) for path, row in self._move_in(paths)]
         if self.tier.version == self._adopted:  # nothing else wrote the tier since the last step's states
             return [[self._cache[f"{name}/{path}"][1] for name in self._names[path]]
@@ -216,7 +242,7 @@ class FusedAdam(StreamedOptimizer):
             for host, futs in reads:
                 for f in futs:
                     f.result()
-                arr = self._global_flat(path, np.split(host, len(self._local[path])))
+                arr = self._global_flat(path, np.split(host, len(self._local[path])), self._kind)
                 row.append(jax.block_until_ready(arr))
                 ahead -= host.nbytes
             yield path, row
@@ -233,9 +259,9 @@ class FusedAdam(StreamedOptimizer):
     def _assemble(self, path: str, shards: Sequence[Any]) -> jax.Array:
         """The global flat array of a state from this process's shards of it (``shards``: in the order of its
         local indices; a copy: only when the tier was written else)."""
-        return self._global_flat(path, [np.asarray(s).reshape(-1) for s in shards])
+        return self._global_flat(path, [np.asarray(s).reshape(-1) for s in shards], self._kind)
 
-    def _global_flat(self, path: str, local: Sequence[np.ndarray]) -> jax.Array:
+    def _global_flat(self, path: str, local: Sequence[np.ndarray], kind: str = "device") -> jax.Array:
         """The global flat array (shard ``i`` at ``i * numel``) whose addressable parts are this process's shards
         ``local`` (flat, in the order of its local indices): each device gets the shard it holds."""
         numel, lay = self._numel[path], self.layouts[path]
@@ -245,13 +271,13 @@ class FusedAdam(StreamedOptimizer):
             start = idx[0].start or 0
             return by_index[start // numel] if lay.dim is not None else by_index[0]
 
-        return jax.make_array_from_callback((lay.num_shards * numel,), self._flat_sharding(path), part)
+        return jax.make_array_from_callback((lay.num_shards * numel,), self._flat_sharding(path, kind), part)
 
     def adopt(self, paths: Sequence[str], states: Sequence[Sequence[jax.Array]]) -> None:
         """Makes the program's new states the tier's shards (no copy), and remembers them as the next step's inputs
         (a host or nvme tier: writes them back to it, each shard copied out of device memory, and keeps nothing on
         the devices; the step's commit waits for the writes)."""
-        if not self._resident:
+        if not self._held:
             for path, row in zip(paths, states):
                 pos = local_positions(self.layouts[path], self.mesh, row[0])
                 n = len(self._names[path])
@@ -288,9 +314,11 @@ class FusedAdam(StreamedOptimizer):
         flat states, the global norm and whether it was finite out (not finite: everything as it was).
         ``value``: the step's loss (an optax transform's ``value=``); ``value_fn``: the loss as a function of
         ``{path: param}`` (a line search's, when :attr:`calls_loss`)."""
+        moves = self.moves()
         if self._optax:
             return optax_update(self.rule, self.layouts, paths, grads, states,
-                                {p: len(self._names[p]) for p in paths}, value, value_fn)
+                                {p: len(self._names[p]) for p in paths}, value, value_fn, moves,
+                                {p: self.state_bytes(p) for p in paths})
         sp = self.spec
         lr, bc1, bc2 = scalars
         flat_g = [to_flat(self.layouts[p], g.astype(jnp.float32)) for p, g in zip(paths, grads)]
@@ -308,12 +336,12 @@ class FusedAdam(StreamedOptimizer):
                                  one_minus_b2=f(1.0 - sp.b2), bias_correction1=bc1, bias_correction2=bc2,
                                  eps=f(sp.eps), eps_root=f(sp.eps_root),
                                  weight_decay=f(sp.decay_for(path, lay.shape)), neg_lr=-lr)
-            master, m, v = row
+            master, m, v = moves.into(path, row, self.state_bytes(path))
             p2, m2, v2 = adam_math(master, m.astype(jnp.float32), v.astype(jnp.float32), g, c)
             row2 = [jnp.where(finite, p2, master), jnp.where(finite, m2.astype(m.dtype), m),
                     jnp.where(finite, v2.astype(v.dtype), v)]
             row2 = [jax.lax.with_sharding_constraint(x, self._flat_sharding(path)) for x in row2]
-            new_states.append(row2)
+            new_states.append(moves.out(path, row2))
             masters.append(from_flat(lay, row2[0]))
         return masters, new_states, norm, finite
 

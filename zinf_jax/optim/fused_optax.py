@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zinf_jax.optim.state_moves import Resident
 from zinf_jax.plan.partition import ParamLayout, from_stored, to_stored
 
 __all__ = ["to_flat", "from_flat", "optax_update", "small_leaves"]
@@ -60,7 +61,8 @@ def _flat(lay: ParamLayout, y: jax.Array) -> jax.Array:
 
 def optax_update(rule: Any, layouts: dict[str, ParamLayout], paths: Sequence[str], grads: Sequence[jax.Array],
                  rows: Sequence[Sequence[jax.Array]], n_tier: dict[str, int], value: jax.Array | None,
-                 value_fn: Any = None) -> tuple[list[jax.Array], list[list[jax.Array]], jax.Array, jax.Array]:
+                 value_fn: Any = None, moves: Any = None, nbytes: dict[str, int] | None = None
+                 ) -> tuple[list[jax.Array], list[list[jax.Array]], jax.Array, jax.Array]:
     """One optax step inside the program (traced).
 
     Args:
@@ -74,6 +76,9 @@ def optax_update(rule: Any, layouts: dict[str, ParamLayout], paths: Sequence[str
       value: the step's loss (``value=`` of a ``GradientTransformationExtraArgs``).
       value_fn: the step's loss as a function of ``{path: param}`` in the parameters' own shapes (a line
         search's ``value_fn=``; see :meth:`~zinf_jax.optim.optax_rule.OptaxRule.apply`).
+      moves: how the master and tier states come into device memory and go back
+        (:mod:`~zinf_jax.optim.state_moves`; default: they are in device memory); ``nbytes``: per path, their
+        bytes per device.
 
     Returns:
       New stored-form float32 masters, new rows (the same form), the global norm and whether it was finite
@@ -86,27 +91,39 @@ def optax_update(rule: Any, layouts: dict[str, ParamLayout], paths: Sequence[str
     if rule.clip_norm is not None:
         mult = jnp.where(norm < rule.clip_norm, jnp.float32(1), jnp.float32(rule.clip_norm) / norm)
     mult = jnp.where(finite, mult, jnp.float32(0))
-    items, parts = {}, {}
-    for path, g, row in zip(paths, flat_g, rows):
+    moves = moves or Resident()
+    loss = jnp.float32(0) if value is None else value
+    parts: dict[str, tuple] = {}
+
+    def item(path: str, g: jax.Array, row: Sequence[jax.Array]) -> tuple:
         lay, n = layouts[path], n_tier[path]
         n_scalar = len(rule._scalars.get(path, []))
-        parts[path] = (row[0], list(row[1:n]), list(row[n:n + n_scalar]), list(row[n + n_scalar:]))
+        moved = moves.into(path, row[:n], (nbytes or {}).get(path, 0))
+        parts[path] = (moved[0], moved[1:], list(row[n:n + n_scalar]), list(row[n + n_scalar:]))
         master, tier_states, scalars, odd = parts[path]
         leaves = rule.leaves(path, tier_states, scalars, odd, lambda x: _real(lay, x.astype(jnp.float32)))
-        items[path] = (_real(lay, master), _real(lay, g * mult), leaves)
-    out = rule.apply(items, jnp.float32(0) if value is None else value, value_fn)
-    masters, new_rows = [], []
-    for path in paths:
-        lay = layouts[path]
+        return _real(lay, master), _real(lay, g * mult), leaves
+
+    def result(path: str, new_p: jax.Array, new: Sequence[jax.Array]) -> list[jax.Array]:
+        lay, n = layouts[path], n_tier[path]
         master, tier_states, scalars, odd = parts[path]
-        new_p, new = out[path]
         by = rule.split_kinds(path, new)
         res = [_flat(lay, new_p)]
         res += [_flat(lay, x.astype(jnp.float32)).astype(o.dtype) for x, o in zip(by["elem"], tier_states)]
         res += [x.astype(o.dtype) for x, o in zip(by["scalar"] + by["odd"], scalars + odd)]
         res = [jnp.where(finite, x, o) for x, o in zip(res, [master, *tier_states, *scalars, *odd])]
-        new_rows.append(res)
-        masters.append(from_flat(lay, res[0]))
+        return [*moves.out(path, res[:n]), *res[n:]], res[0]
+
+    out: dict[str, tuple] = {}
+    if rule.tree is not None:  # every parameter in one update: every state in device memory at once
+        out = rule.apply({p: item(p, g, row) for p, g, row in zip(paths, flat_g, rows)}, loss, value_fn)
+        done = {p: result(p, *out[p]) for p in paths}
+    else:  # one parameter at a time, each moved in as the window allows
+        done = {}
+        for path, g, row in zip(paths, flat_g, rows):
+            done[path] = result(path, *rule.apply({path: item(path, g, row)}, loss, value_fn)[path])
+    new_rows = [done[p][0] for p in paths]
+    masters = [from_flat(layouts[p], done[p][1]) for p in paths]
     return masters, new_rows, norm, finite
 
 

@@ -11,10 +11,13 @@ Counted, per process:
 * ``params``: a ``cpu`` param tier's arrays in ``pinned_host`` as the step reads them (the compute dtype), twice
   for the trained ones (the next step's copy of the masters is made while the last one is alive);
 * ``gradients``: each trained parameter's float32 gradient, moved out of the step to ``pinned_host`` for an
-  optimizer on the host.
+  optimizer on the host;
+* ``optimizer_state``: with ``optimizer_update="device"`` and the state on a host tier, the states the step's
+  program takes in ``pinned_host`` and the new ones it puts there, both alive at its end (see [Note: states
+  moved in the program]).
 
-Everything else the engine keeps on the host (the optimizer's numpy state, nvme staging, the gradient sink's
-own arrays) is pageable memory.
+Everything else the engine keeps on the host (the host optimizer's numpy state, nvme staging, the gradient
+sink's own arrays) is pageable memory.
 
 Pure data; nothing here imports JAX.
 """
@@ -42,7 +45,7 @@ class PinnedPlan:
     """Pinned host bytes of one process.
 
     Attributes:
-      items: ``"params"`` and ``"gradients"`` to bytes (see the module docstring).
+      items: ``"params"``, ``"gradients"`` and ``"optimizer_state"`` to bytes (see the module docstring).
     """
 
     items: Mapping[str, int]
@@ -61,7 +64,7 @@ class PinnedPlan:
 
 
 def plan_pinned(*, params_bytes: int, trained_params_bytes: int, gradient_bytes: int, param_tier: str,
-                grads_to_host: bool, compiled: bool) -> PinnedPlan:
+                grads_to_host: bool, compiled: bool, moved_state_bytes: int = 0) -> PinnedPlan:
     """The pinned bytes of one process.
 
     Args:
@@ -71,11 +74,14 @@ def plan_pinned(*, params_bytes: int, trained_params_bytes: int, gradient_bytes:
       param_tier: ``"none"``, ``"cpu"`` or ``"nvme"``.
       grads_to_host: the optimizer is on the host.
       compiled: the compiled engine runs the step (the streamed one keeps its host buffers in numpy).
+      moved_state_bytes: the optimizer state the step's program moves in and out (0: none; its update is
+        elsewhere, or the state is in device memory).
     """
     if not compiled:
         return PinnedPlan(items={})
     items = {"params": params_bytes + trained_params_bytes if param_tier == "cpu" else 0,
-             "gradients": gradient_bytes if grads_to_host else 0}
+             "gradients": gradient_bytes if grads_to_host else 0,
+             "optimizer_state": 2 * moved_state_bytes}
     return PinnedPlan(items=items)
 
 

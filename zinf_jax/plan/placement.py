@@ -137,8 +137,10 @@ def place(config: ZeroConfig, compute_dtype: str, *, param_device: str | None = 
     params = TierPlacement(device=pd, path=po.path if pd == po.device else None, subdir="params",
                            host_memory="pinned_host", update=update, direct_io=po.direct_io,
                            chunk_bytes=config.aio.chunk_bytes)
+    on_device = config.optimizer_update == "device"  # a cpu tier's states: [Note: states moved in the program]
     optimizer = TierPlacement(device=od, path=oo.path if od == oo.device else None, subdir="optimizer",
-                              host_memory="numpy", update=update, direct_io=oo.direct_io,
+                              host_memory="pinned_host" if on_device else "numpy", update=update,
+                              direct_io=oo.direct_io,
                               chunk_bytes=config.aio.chunk_bytes)
     grads = None if od != "nvme" or config.optimizer_update == "device" else dataclasses.replace(optimizer, subdir="grads",
                                                                  update=UpdateMode.SCRATCH)

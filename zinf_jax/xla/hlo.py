@@ -15,7 +15,9 @@ or update (``dynamic-update-slice-start``/``-done``). This module finds those pa
 * which instructions XLA turned into host compute (``_xla_compute_type="host"`` on a GPU, a
   ``HostExecute`` call on a TPU): device work on host-memory values;
 * the element types of the cross-device reductions (all-reduce, reduce-scatter);
-* the shapes all-gathers produce (an expert stack split over an expert axis never appears whole).
+* the shapes all-gathers produce (an expert stack split over an expert axis never appears whole);
+* the most bytes moved into device memory and not yet moved back, over the top-level schedule (states a
+  program moves in, updates and moves out: [Note: states moved in the program]).
 
 Pure text processing: no JAX, no device.
 """
@@ -27,7 +29,7 @@ import re
 from typing import Iterator
 
 __all__ = ["Instruction", "Module", "Transfer", "Reduction", "parse", "transfers", "host_compute", "reductions",
-           "gathered_shapes"]
+           "gathered_shapes", "peak_moved_in"]
 
 _HOST_SPACE = "S(5)"
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
@@ -419,6 +421,26 @@ def gathered_shapes(module: Module) -> list[tuple[int, ...]]:
             parts = _split_top(inst.shape)
             out += [a.dims for a in _arrays(parts[-1])]
     return out
+
+
+def peak_moved_in(module: Module) -> int:
+    """The most bytes per device, over the entry computation's schedule, moved host -> device (counted from each
+    move's start) and not yet answered by as many bytes moved device -> host (counted at each move's done): what a
+    program that moves values in, updates them and moves the new values out holds in device memory at once."""
+    insts = module.computations[module.entry]
+    starts: dict[str, tuple[bool, int]] = {}
+    held = peak = 0
+    for inst in insts:
+        if inst.opcode.endswith("-start") and not inst.opcode.startswith(_COLLECTIVE):
+            moved = _moved(inst, *_start_parts(inst))
+            if moved is not None:
+                starts[inst.name] = moved
+                held += moved[1] if moved[0] else 0
+                peak = max(peak, held)
+        elif inst.opcode.endswith("-done") and inst.operands and inst.operands[0] in starts:
+            to_device, nbytes = starts[inst.operands[0]]
+            held -= 0 if to_device else nbytes
+    return peak
 
 
 def summary(module: Module) -> dict:
