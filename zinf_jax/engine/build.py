@@ -199,7 +199,7 @@ def build(adapter: Any, *, config: ZeroConfig, mesh: Mesh, optimizer: Any, init:
                               values=None if pretrained is None else pretrained.read)
             opt.commit({"step": 0})
         gate = WriteGate()
-        sink = GradSink(layouts, mesh, target=opt.grads)
+        sink = GradSink(layouts, mesh, target=opt.grads, arena=opt.grad_arena)
         if where.engine == "compiled":
             passes: CompiledModel | StreamedModel = CompiledModel(
                 adapter, store, host_params=where.params.device == "cpu",

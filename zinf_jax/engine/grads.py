@@ -8,7 +8,9 @@ unit calls (a tied embedding) gets the sum of both gradients.
 
 Given a ``target`` (the optimizer's :class:`~zinf_jax.optim.grads_out.TierGrads`,
 with NVMe offload), the sink holds nothing: each host shard goes straight to
-the target, which writes it to the grad tier and sums repeats there.
+the target, which writes it to the grad tier and sums repeats there. Given the
+optimizer's :class:`~zinf_jax.optim.grad_arena.GradArena`, the shards it lays out
+are copied straight into it (see [Note: the gradient arena]).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from zinf_jax.optim.grad_arena import GradArena
 from zinf_jax.plan.partition import ParamLayout, split_local
 
 __all__ = ["GradSink", "host_copy"]
@@ -46,12 +49,15 @@ class GradSink:
       target: where shards go instead of host accumulators (``add(path, index,
         host_shard)`` and ``clear()``), e.g. a
         :class:`~zinf_jax.optim.grads_out.TierGrads`.
+      arena: where the shards it lays out go (no target): one buffer in the optimizer's order.
     """
 
-    def __init__(self, layouts: Mapping[str, ParamLayout], mesh: Mesh, target: Any = None):
+    def __init__(self, layouts: Mapping[str, ParamLayout], mesh: Mesh, target: Any = None,
+                 arena: GradArena | None = None):
         self.layouts = layouts
         self.mesh = mesh
         self.target = target
+        self.arena = arena if target is None else None
         self._acc: dict[tuple[str, int], np.ndarray] = {}
         self._rows: dict[tuple[str, int], list] = {}  # a target's stacked shards being summed (add_layer)
         self._summed: set[tuple[str, int]] = set()  # shards whose gradient is a sum the sink made (its own array)
@@ -59,8 +65,18 @@ class GradSink:
 
     @property
     def source(self) -> Callable[[str, int], np.ndarray | None] | Any:
-        """What the optimizer step reads the gradients from: :meth:`get`, or the target."""
-        return self.get if self.target is None else self.target
+        """What the optimizer step reads the gradients from: the arena, :meth:`get`, or the target."""
+        if self.target is not None:
+            return self.target
+        return self.get if self.arena is None else self.arena  # (the arena holds every trained shard)
+
+    def _into(self, path: str, index: int, shard: jax.Array) -> None:
+        """One local shard of a device gradient: into the arena's slot (one copy), else as :meth:`add_local`."""
+        if self.arena is not None and (path, index) in self.arena:
+            with self._lock:
+                self.arena.put(path, index, np.asarray(shard))
+            return
+        self.add_local(path, index, host_copy(shard))
 
     def add(self, path: str, grad: jax.Array) -> None:
         """Adds a stored-form, sharded float32 gradient of ``path``."""
@@ -68,8 +84,13 @@ class GradSink:
 
     def add_many(self, paths: Sequence[str], grads: Sequence[jax.Array]) -> None:
         """Adds the gradients of several parameters (a unit's), their device-to-host copies issued together."""
-        for path, idx, host in self._to_host(paths, [self.layouts[p] for p in paths], grads):
-            self.add_local(path, idx, host)
+        parts = [(path, split_local(self.layouts[path], self.mesh, g)) for path, g in zip(paths, grads)]
+        for _, shards in parts:
+            for s in shards.values():
+                s.copy_to_host_async()
+        for path, shards in parts:
+            for idx, s in shards.items():
+                self._into(path, idx, s)
 
     def _to_host(self, paths: Sequence[str], layouts: Sequence[ParamLayout],
                  grads: Sequence[jax.Array]) -> Iterator[tuple[str, int, np.ndarray]]:
@@ -90,9 +111,13 @@ class GradSink:
         for s in shards.values():
             s.copy_to_host_async()
         for idx, s in shards.items():
-            host = host_copy(s)
+            host = np.asarray(s) if self.arena is not None else host_copy(s)  # (the arena copies each row)
             for k, path in enumerate(paths):
-                self.add_local(path, idx, host[k])
+                if self.arena is not None and (path, idx) in self.arena:
+                    with self._lock:
+                        self.arena.put(path, idx, host[k])
+                else:
+                    self.add_local(path, idx, np.array(host[k], np.float32) if self.arena is not None else host[k])
 
     def add_rows(self, path: str, pieces: Sequence[tuple[int, jax.Array]]) -> None:
         """Adds a stacked parameter's gradient that arrives in pieces along its leading (layer) axis, each
@@ -120,9 +145,12 @@ class GradSink:
         for path, idx, row in self._to_host(paths, layouts, grads):
             with self._lock:
                 if self.target is None:
-                    acc = self._acc.get((path, idx))
-                    if acc is None:
-                        acc = self._acc[(path, idx)] = np.zeros((n, *row.shape), np.float32)
+                    if self.arena is not None and (path, idx) in self.arena:
+                        acc = self.arena.accumulator(path, idx)
+                    else:
+                        acc = self._acc.get((path, idx))
+                        if acc is None:
+                            acc = self._acc[(path, idx)] = np.zeros((n, *row.shape), np.float32)
                     acc[layer] += row
                     continue
                 rows = self._rows.setdefault((path, idx), [np.zeros((n, *row.shape), np.float32), 0])
@@ -145,6 +173,9 @@ class GradSink:
             return
         key = (path, index)
         with self._lock:
+            if self.arena is not None and key in self.arena:
+                self.arena.put(path, index, grad)
+                return
             acc = self._acc.get(key)
             if acc is None:
                 self._acc[key] = np.asarray(grad, dtype=np.float32)
@@ -156,16 +187,19 @@ class GradSink:
 
     def get(self, path: str, index: int) -> np.ndarray | None:
         """The accumulated gradient shard, or ``None`` if none arrived this step."""
+        if self.arena is not None and (path, index) in self.arena:
+            return self.arena(path, index)
         return self._acc.get((path, index))
 
     def items(self) -> Iterator[tuple[tuple[str, int], np.ndarray]]:
-        return iter(list(self._acc.items()))
+        arena = list(self.arena.items()) if self.arena is not None else []
+        return iter(arena + list(self._acc.items()))
 
     def nbytes(self) -> int:
         """Host bytes held (by the target, with one)."""
         if self.target is not None:
             return self.target.nbytes()
-        return sum(a.nbytes for a in self._acc.values())
+        return sum(a.nbytes for a in self._acc.values()) + (self.arena.nbytes if self.arena is not None else 0)
 
     def clear(self) -> None:
         """Forgets every gradient (start of a step)."""
@@ -173,5 +207,7 @@ class GradSink:
             self._acc.clear()
             self._rows.clear()
             self._summed.clear()
+            if self.arena is not None:
+                self.arena.clear()
         if self.target is not None:
             self.target.clear()

@@ -56,6 +56,7 @@ from jax.profiler import TraceAnnotation
 
 from zinf_jax._internal.futures import is_future, wait_all
 from zinf_jax.config.zero import MOMENTS_DTYPES
+from zinf_jax.optim.grad_arena import GradArena
 from zinf_jax.optim.grads_out import TierGrads
 from zinf_jax.optim.kernel import all_finite, sum_squares
 from zinf_jax.optim.rules import UpdateRule, make_rule
@@ -157,6 +158,9 @@ class StreamedOptimizer(MultiShardWork, StateAccess):
             self.grads = TierGrads(grad_tier, geo, self._local, owner)
         self._in_place = self._host_buffers and state_dtype == "float32" and self.grads is None
         """Updates run on the tier's own arrays: see [Note: updates in place]."""
+        self.grad_arena = GradArena(self._grad_layout()) if self.grads is None else None
+        """Where the gradient sink puts this process's gradient shards: [Note: the gradient arena]."""
+        self._all_owned = all(owner(p, i) for p in self.layouts for i in self._local[p])  # (one process: all)
         self._sets: list[BufferSet] = []  # the pool, kept across steps (fresh buffers cost page faults)
         self._free: collections.deque[BufferSet] = collections.deque()
         self._live = 0
@@ -283,10 +287,26 @@ class StreamedOptimizer(MultiShardWork, StateAccess):
         np.copyto(out, part, casting="unsafe")
         return out
 
+    def _grad_layout(self) -> list[tuple[str, int, tuple[int, ...], bool]]:
+        """Every local shard, in the order the planned work reads them (a pack's members side by side, the others
+        aligned): the :class:`GradArena` layout."""
+        out, seen = [], set()
+        for w in self._work:
+            members = (w.members if isinstance(w, (Pack, Whole)) else
+                       [m for wh in w.wholes for m in wh.members] if isinstance(w, Tree) else [w])
+            for k, g in enumerate(members):
+                if (g.path, g.shard) not in seen:
+                    seen.add((g.path, g.shard))
+                    out.append((g.path, g.shard, tuple(self.layouts[g.path].shard_shape),
+                                k == 0 or not isinstance(w, Pack)))
+        return out
+
     def _norm_sq(self, grad: Callable[[str, int], np.ndarray | None] | TierGrads) -> float:
         if isinstance(grad, TierGrads):  # accumulated as the gradients were written
             grad.wait()
             return self._allreduce(grad.norm_sq())
+        if grad is self.grad_arena and self._all_owned and self.grad_arena.complete():
+            return self._allreduce(self.grad_arena.norm_sq())  # one pass: [Note: the gradient arena]
         sums: list[float] = []
         for path in self.layouts:
             numel, chunk = self._numel[path], self._chunk[path]
@@ -339,6 +359,8 @@ class StreamedOptimizer(MultiShardWork, StateAccess):
         rank = {p: i for i, p in enumerate(paths)}
         self._groups.sort(key=lambda g: rank.get(g.path, len(rank)))
         self._work = self._plan()
+        if self.grad_arena is not None:
+            self.grad_arena.relayout(self._grad_layout())
         self._runs = {}  # new packs: their runs are made at their first update
         self._size_sets()
 

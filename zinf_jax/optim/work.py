@@ -61,6 +61,7 @@ class MultiShardWork:
     _zero_buffer: Callable[[], np.ndarray]
     _runs: dict  # Pack -> None: its states cannot be runs of the tier (see _pack_runs)
     _pack_g: np.ndarray | None  # a pack's gradients side by side
+    grad_arena: Any  # the gradient arena, or None
 
     def _io_pack(self, bs: BufferSet, pk: Pack, read: bool) -> None:
         """:meth:`_io` of a pack: each member's states at its offset of the set's arrays (gradients too, from a
@@ -210,7 +211,12 @@ class MultiShardWork:
         return list(full.reshape(len(local), -1))
 
     def _pack_grad(self, pk: Pack, grad) -> np.ndarray:
-        """The pack's gradients side by side in one float32 buffer (kept for the next step)."""
+        """The pack's gradients side by side in one float32 buffer: a view of the gradient arena where they sit so
+        ([Note: the gradient arena]), else a buffer kept for the next step."""
+        if grad is self.grad_arena:
+            run = grad.run([(gr.path, gr.shard) for gr in pk.members])
+            if run is not None:
+                return run
         if self._pack_g is None or self._pack_g.shape[0] < pk.size:
             self._pack_g = np.empty(pk.size, np.float32)
         return _fill_pack_grad(self._pack_g[:pk.size], pk, grad)
