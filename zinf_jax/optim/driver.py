@@ -169,12 +169,16 @@ class StreamedOptimizer(MultiShardWork, StateAccess):
         self.peak_live_buffers = 0  # most sub-group buffer sets in use at once, since construction
         self._scratch: np.ndarray | None = None  # grad conversion (non-float32 grads)
         self._runs: dict = {}  # a pack -> its states as runs of the tier (updated in place as one array)
+        self._run_keys: dict = {}  # a pack -> per state, its members' (key, index)
+        self._grad_keys: dict = {}  # a pack -> its members' (path, shard)
+        self._views: dict = {}  # a pack -> its spans and master views over its master run
         self._pack_g: np.ndarray | None = None
         self._zeros: np.ndarray | None = None  # the zero grad (read only)
         self._assembly: np.ndarray | None = None  # a multi-chunk shard handed to write_param
         self._assembly_pending: list[Future] = []
         self._on_written: Callable[[str], None] | None = None
-        self._left: collections.Counter = collections.Counter()  # sub-groups of each path not yet written
+        self._left: dict[str, int] = {}  # sub-groups of each path not yet written
+        self._sub_groups = dict(collections.Counter(g.path for g in self._groups))  # (per path: the same every step)
         self.last_stats: dict[str, float] = {}
         """Seconds of the last :meth:`step` in the norm pass, waiting on reads and writes, in Adam, in write_param."""
 
@@ -361,7 +365,7 @@ class StreamedOptimizer(MultiShardWork, StateAccess):
         self._work = self._plan()
         if self.grad_arena is not None:
             self.grad_arena.relayout(self._grad_layout())
-        self._runs = {}  # new packs: their runs are made at their first update
+        self._runs, self._run_keys, self._views, self._grad_keys = {}, {}, {}, {}  # new packs: made at first use
         self._size_sets()
 
     def _size_sets(self) -> None:
@@ -460,7 +464,7 @@ class StreamedOptimizer(MultiShardWork, StateAccess):
         t0 = time.perf_counter()
         pipe = Pipe()
         self._on_written = on_written
-        self._left = collections.Counter(g.path for g in self._groups)
+        self._left = dict(self._sub_groups)  # (a dict's copy: a Counter's is a Python loop)
         try:
             self._fill(pipe, 0)
             with TraceAnnotation("zinf/optimizer_norm"):

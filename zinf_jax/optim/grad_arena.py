@@ -38,6 +38,7 @@ class GradArena:
     def __init__(self, layout: Sequence[tuple[str, int, tuple[int, ...], bool]]):
         self._slots: dict[Key, tuple[int, int, tuple[int, ...]]] = {}
         self._present: set[Key] = set()
+        self._runs: dict[tuple[Key, int], tuple[int, int]] = {}  # run(): (first key, length) -> (start, stop or -1)
         self._size = 0
         self._buffer: np.ndarray | None = None  # made at the first gradient (an engine whose update runs in its
         self.relayout(layout)                   # program never makes it)
@@ -51,7 +52,7 @@ class GradArena:
             slots[(path, index)] = (at, n, tuple(shape))
             at += n
         old, old_slots = self._buffer, self._slots
-        self._slots, self._size, self._buffer = slots, at, None
+        self._slots, self._size, self._buffer, self._runs = slots, at, None, {}
         self._present &= set(slots)
         if old is not None and self._present:
             buffer = self.buffer
@@ -117,16 +118,17 @@ class GradArena:
 
     def run(self, keys: Sequence[Key]) -> np.ndarray | None:
         """The gradients of ``keys`` as one view, where they sit side by side in this order and all arrived."""
-        if not keys or any(k not in self._present for k in keys):
+        if not keys or (len(self._present) != len(self._slots) and any(k not in self._present for k in keys)):
             return None
-        lo, n, _ = self._slots[keys[0]]
-        at = lo + n
-        for key in keys[1:]:
-            k_lo, k_n, _ = self._slots[key]
-            if k_lo != at:
-                return None
-            at = k_lo + k_n
-        return self.buffer[lo:at]
+        span = self._runs.get((keys[0], len(keys)))  # (a shard is in one run: its first key and length name it)
+        if span is None:
+            lo, n, _ = self._slots[keys[0]]
+            at = lo + n
+            for key in keys[1:]:
+                k_lo, k_n, _ = self._slots[key]
+                at = k_lo + k_n if k_lo == at else -1
+            span = self._runs[(keys[0], len(keys))] = (lo, at)
+        return None if span[1] < 0 else self.buffer[span[0]:span[1]]
 
     def clear(self) -> None:
         """Forgets this step's gradients (the buffer is kept)."""

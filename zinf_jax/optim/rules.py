@@ -90,6 +90,7 @@ class AdamRule:
 
     def __init__(self, spec: AdamSpec):
         self.spec = spec
+        self._decays: dict[str, float] = {}  # path -> its weight decay (the mask asked once)
         self.clip_norm = spec.clip_norm
 
     def state_names(self, path: str) -> tuple[str, ...]:
@@ -115,8 +116,7 @@ class AdamRule:
     def update_many(self, spans: Sequence[Span], arrays: Sequence[np.ndarray], grad: np.ndarray, *,
                     step: int, lr: float | None, mult: np.float32) -> None:
         """One kernel call per run of adjacent shards with the same weight decay (element-wise: the same numbers)."""
-        sp = self.spec
-        decays = [sp.decay_for(path, shape) for path, shape, _, _ in spans]
+        decays = [self._decay(path, shape) for path, shape, _, _ in spans]
         i = 0
         while i < len(spans):  # spans lie side by side: a run of equal decay is one slice
             j = i
@@ -131,11 +131,17 @@ class AdamRule:
         """One kernel call per shard, the step's scalars computed once per weight decay."""
         coeffs: dict[float, AdamCoefficients] = {}
         for path, shape, (p, m, v), g in shards:
-            decay = self.spec.decay_for(path, shape)
+            decay = self._decay(path, shape)
             if decay not in coeffs:
                 coeffs[decay] = self._coefficients(decay, step, lr, mult)
             n = g.shape[0]
             apply_adam(p[:n], m[:n], v[:n], g, coeffs[decay])
+
+    def _decay(self, path: str, shape: tuple[int, ...]) -> float:
+        hit = self._decays.get(path)
+        if hit is None:
+            hit = self._decays[path] = self.spec.decay_for(path, shape)
+        return hit
 
     def _coefficients(self, decay: float, step: int, lr: float | None, mult: np.float32) -> AdamCoefficients:
         """The step's scalars for shards of weight decay ``decay``."""

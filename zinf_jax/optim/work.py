@@ -60,6 +60,9 @@ class MultiShardWork:
     _in_place: bool
     _zero_buffer: Callable[[], np.ndarray]
     _runs: dict  # Pack -> None: its states cannot be runs of the tier (see _pack_runs)
+    _run_keys: dict  # Pack -> per state, its members' (key, index)
+    _grad_keys: dict  # Pack -> its members' (path, shard)
+    _views: dict  # Pack -> (its master run, spans, members' master views): see _pack_views
     _pack_g: np.ndarray | None  # a pack's gradients side by side
     grad_arena: Any  # the gradient arena, or None
 
@@ -214,7 +217,10 @@ class MultiShardWork:
         """The pack's gradients side by side in one float32 buffer: a view of the gradient arena where they sit so
         ([Note: the gradient arena]), else a buffer kept for the next step."""
         if grad is self.grad_arena:
-            run = grad.run([(gr.path, gr.shard) for gr in pk.members])
+            keys = self._grad_keys.get(pk)
+            if keys is None:
+                keys = self._grad_keys[pk] = [(gr.path, gr.shard) for gr in pk.members]
+            run = grad.run(keys)
             if run is not None:
                 return run
         if self._pack_g is None or self._pack_g.shape[0] < pk.size:
@@ -243,6 +249,18 @@ class MultiShardWork:
                  for gr, (_, _, lo, hi) in zip(pk.members, spans)]
         return t_adam, self._write_params(bs, items, write_params)
 
+    def _pack_views(self, pk: Pack, master: np.ndarray) -> tuple[list, list]:
+        """The pack's spans (as ``update_many`` takes them) and its members' master views (as ``write_params``
+        takes them) over its master run: worked out once per run, not per member per step."""
+        hit = self._views.get(pk)
+        if hit is None or hit[0] is not master:
+            spans = [(gr.path, self.layouts[gr.path].shape, off, off + gr.valid)
+                     for gr, off in zip(pk.members, pk.offsets)]
+            items = [(gr.path, gr.shard, master[lo:hi].reshape(self.layouts[gr.path].shard_shape))
+                     for gr, (_, _, lo, hi) in zip(pk.members, spans)]
+            hit = self._views[pk] = (master, spans, items)
+        return hit[1], hit[2]
+
     def _pack_runs(self, pk: Pack) -> list[np.ndarray] | None:
         """The pack's states as runs of the tier (per state one array, the members side by side:
         ``CpuTier.share_run``), made at its first update; ``None`` where the tier cannot (a member's master is a
@@ -250,9 +268,13 @@ class MultiShardWork:
         share = getattr(self.tier, "share_run", None)
         if share is None or self._runs.get(pk, True) is None:
             return None
+        keys = self._run_keys.get(pk)
+        if keys is None:
+            keys = self._run_keys[pk] = [[(f"{s}/{gr.path}", gr.index) for gr in pk.members]
+                                         for s in self._names[pk.members[0].path]]
         runs = []
-        for s in self._names[pk.members[0].path]:
-            run = share([(f"{s}/{gr.path}", gr.index) for gr in pk.members])
+        for items in keys:
+            run = share(items)
             if run is None:
                 self._runs[pk] = None  # (a member's master is a row of a stack: one at a time from now on)
                 return None
@@ -275,16 +297,14 @@ class MultiShardWork:
         t = time.perf_counter()
         runs = self._pack_runs(pk)
         names = self._names[pk.members[0].path]
-        stored = self.tier.writable([(f"{s}/{gr.path}", gr.index) for gr in pk.members for s in names])
         if runs is not None:
+            self.tier.writable([])  # the runs are the tier's arrays, written in place: counts as a put of each
             g = self._pack_grad(pk, grad)
-            spans = [(gr.path, self.layouts[gr.path].shape, off, off + gr.valid)
-                     for gr, off in zip(pk.members, pk.offsets)]
+            spans, items = self._pack_views(pk, runs[0])
             with TraceAnnotation("zinf/optimizer_update", param=work_name(pk)):
                 self.rule.update_many(spans, runs, g, step=step, lr=lr, mult=mult)
-            items = [(gr.path, gr.shard, runs[0][lo:hi].reshape(self.layouts[gr.path].shard_shape))
-                     for gr, (_, _, lo, hi) in zip(pk.members, spans)]
             return time.perf_counter() - t, self._write_params(bs, items, write_params)
+        stored = self.tier.writable([(f"{s}/{gr.path}", gr.index) for gr in pk.members for s in names])
         shards, k = [], 0
         for gr in pk.members:
             n = len(names)

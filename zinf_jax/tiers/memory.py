@@ -65,6 +65,7 @@ class _MemoryTier:
         self._keys = KeyRegistry(self.kind)
         self._data: dict[tuple[str, int], Any] = {}
         self._bytes = 0  # bytes of the shards in _data (see :meth:`_set`)
+        self._swaps = 0  # grows whenever a shard's stored object is replaced (see CpuTier.share_run)
         self._puts: dict[tuple[str, int], Future] = {}  # the last put of each shard (reads wait for it)
         self._meta: dict[str, Any] = {}
         self._lock = threading.Lock()
@@ -226,6 +227,7 @@ class _MemoryTier:
         """Stores a shard (under the lock), keeping count of the bytes held."""
         old = self._data.get((key, index))
         self._bytes += _nbytes(value) - (0 if old is None else _nbytes(old))
+        self._swaps += old is not value
         self._data[(key, index)] = value
 
     def _memory_kind(self) -> str | None:
@@ -345,7 +347,7 @@ class CpuTier(_MemoryTier):
         super().__init__(max_in_flight_bytes=max_in_flight_bytes)
         self.memory = memory
         self._placement = placement or (lambda i: jax.local_devices()[0])
-        self._run_cache: dict[tuple, tuple[np.ndarray, list[np.ndarray]]] = {}  # share_run's arrays and parts
+        self._run_cache: dict[tuple, tuple[np.ndarray, list[np.ndarray], int]] = {}  # share_run: run, parts, swaps
 
     def _memory_kind(self) -> str | None:
         return None if self.memory == "numpy" else "pinned_host"
@@ -374,6 +376,7 @@ class CpuTier(_MemoryTier):
             for k, (key, x) in enumerate(zip(keys, old)):
                 rows[k] = x
                 self._data[(key, index)] = rows[k]
+                self._swaps += 1
             return rows
 
     def share_run(self, items: Sequence[tuple[str, int]]) -> np.ndarray | None:
@@ -388,7 +391,8 @@ class CpuTier(_MemoryTier):
         """
         key = tuple(items)
         hit = self._run_cache.get(key)
-        if hit is not None and all(self._data.get(it) is v for it, v in zip(items, hit[1])):
+        if hit is not None and (hit[2] == self._swaps or all(self._data.get(it) is v for it, v in zip(items, hit[1]))):
+            self._run_cache[key] = (hit[0], hit[1], self._swaps)  # (no shard replaced since: no check per shard)
             return hit[0]
         specs = [self._check(k, i) for k, i in items]
         if len({sp.dtype for sp in specs}) != 1 or any(len(sp.shard_shape) != 1 for sp in specs):
@@ -405,9 +409,10 @@ class CpuTier(_MemoryTier):
                 run[at:at + x.shape[0]] = x
                 views.append(run[at:at + x.shape[0]])
                 self._data[item] = views[-1]
+                self._swaps += 1
                 at += x.shape[0]
             self._version += 1  # the same values in new arrays: holders of the old ones read them again
-            self._run_cache[key] = (run, views)
+            self._run_cache[key] = (run, views, self._swaps)
             return run
 
     def writable(self, items: Sequence[tuple[str, int]]) -> list[np.ndarray]:
