@@ -81,6 +81,7 @@ def test_every_step_compiles_for_every_accelerator_at_the_byte_minimum_overlappe
     check(eng, batch, target, model_casts=CONFIGS[config].get("model_dtype") is not None)
 
 
+@pytest.mark.accelerators  # (~35 s of compiles: in .ci/run's accelerator run, not the default suite)
 @pytest.mark.parametrize("target", [pytest.param("h100", marks=_needs("h100")), pytest.param("v5e", marks=_needs("v5e"))])
 def test_the_device_update_moves_states_through_the_program_a_window_at_a_time(target):
     """``optimizer_update="device"`` with the state in host RAM: each parameter's states move into device memory and
