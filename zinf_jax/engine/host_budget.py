@@ -49,7 +49,7 @@ def buffer_set_bytes(config: ZeroConfig, where: Placement, packs: bool, elements
     updated in place (:func:`updates_in_place`)."""
     if updates_in_place(config, where):
         return 0
-    return (12 + 4 * (where.grads_out or packs) + (4 if config.moments_dtype == "bfloat16" else 0)) * elements
+    return (12 + 4 * (where.grads_out or packs) + (4 if config.moment_bytes == 2 else 0)) * elements
 
 
 def sizes_of(layouts: Mapping[str, ParamLayout], units: Sequence[Collection[str]], trained: Collection[str],
@@ -81,7 +81,7 @@ def sizes_of(layouts: Mapping[str, ParamLayout], units: Sequence[Collection[str]
     cut = [numel[p] for p in trained if sub_groups(numel[p], config.sub_group_size)[1] > 1]
     grad = {p: 4 * numel[p] * shards[p] for p in trained}
     unit_grad = max((sum(grad.get(p, 0) for p in u) for u in units), default=0)
-    state = (4 + 2 * (2 if config.moments_dtype == "bfloat16" else 4)) * sum(numel[p] * shards[p] for p in trained)
+    state = config.state_bytes * sum(numel[p] * shards[p] for p in trained)
     return HostSizes(
         unit_held=held, unit_gathered=gathered, params_on_nvme=where.params.device == "nvme",
         device_is_host=platform == "cpu",
