@@ -511,6 +511,45 @@ def notes_md() -> str:
     return "\n".join(lines) + "\n"
 
 
+def note_texts() -> list[tuple[str, str, list[str]]]:
+    """``(note, module, paragraphs)`` of every note written in the source, by name: the lines after the note's
+    name, to the end of its comment block (a ``#`` note) or of its docstring, or to the next note's name."""
+    files = dict(modules())
+    out = []
+    for note, entry in sorted(notes().items()):
+        for module, at in entry["defined"]:
+            lines = files[module].read_text().splitlines()
+            comment = lines[at - 1].strip().startswith("#")
+            body: list[str] = []
+            for line in lines[at:]:
+                text = line.strip()
+                if comment:
+                    if not text.startswith("#") or NOTE.fullmatch(text.lstrip("#").strip()):
+                        break
+                    body.append(text[1:].strip())
+                    continue
+                if NOTE.fullmatch(text):
+                    break
+                if '"""' in text:
+                    body.append(text.split('"""')[0])
+                    break
+                body.append(text)
+            paragraphs = [" ".join(p.split()) for p in "\n".join(body).split("\n\n") if p.strip()]
+            if paragraphs:  # (a name alone on a line that writes nothing after it is a citation)
+                out.append((note, module, paragraphs))
+    return out
+
+
+def note_texts_md() -> str:
+    """Every note's text, rendered, under a heading of its name."""
+    out = []
+    for note, module, paragraphs in note_texts():
+        out.append(f"## [Note: {note}]\n\nWritten in {{py:mod}}`{module}`.\n")
+        for p in paragraphs:  # a role the lookup could not place (a bare method name) is plain code
+            out.append(re.sub(r"\{py:[a-z]+\}`([^`.~]+)`", r"`\1`", _md(p, module)) + "\n")
+    return "\n".join(out)
+
+
 def notes_problems() -> list[str]:
     return [f"[Note: {n}] is cited but written nowhere (a line holding only the note's name)"
             for n, e in sorted(notes().items()) if not e["defined"]]
@@ -518,7 +557,8 @@ def notes_problems() -> list[str]:
 
 GENERATORS: dict[str, Callable[[], str]] = {
     "api": api_md, "config": config_md, "deepspeed-keys": deepspeed_md, "cli": cli_md, "errors": errors_md,
-    "package-map": package_map_md, "notes": notes_md, "optax-table": lambda: _optax_table(),
+    "package-map": package_map_md, "notes": notes_md, "note-texts": note_texts_md,
+    "optax-table": lambda: _optax_table(),
     "bytes-per-param": lambda: bytes_per_param_md(),
 }
 
