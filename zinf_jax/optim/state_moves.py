@@ -15,8 +15,12 @@ done: the move-in of parameter k depends (an optimization barrier) on the new st
 parameter j whose later states, j+1..k, already exceed the window (``limit`` bytes per device,
 ``ZeroConfig.max_in_flight_bytes``), moved back to host memory (which frees their device buffers). At
 most the window's bytes plus one parameter's are in device memory at once, as XLA's GPU compiler schedules
-the program; XLA:TPU hoists every move-in of an argument to the top of the program whatever the barriers
-say, so there the whole state is in device memory during the update. A transform that updates the whole tree at once needs every state in
+the program with its default of two asynchronous moves in flight (the engine raises that limit only for a
+loop's parameter moves, which this configuration has none of): measured on the H100 schedule of a GPT with
+1.2 MB of state per device, a window of 160 kB holds at most 203 kB, and XLA issues the moves back to back
+with a sixth of their bytes overlapping compute (a higher limit overlaps more, 53% at 32, but lets the moves
+back out lag and holds 470 kB). XLA:TPU hoists every move-in of an argument to the top of the program
+whatever the barriers say, so there the whole state is in device memory during the update. A transform that updates the whole tree at once needs every state in
 device memory together: there the window cannot apply, and every state is moved in before the update.
 """
 from __future__ import annotations
