@@ -18,8 +18,8 @@ most the window's bytes plus one parameter's are in device memory at once, as XL
 the program with its default of two asynchronous moves in flight (the engine raises that limit only for a
 loop's parameter moves, which this configuration has none of): measured on the H100 schedule of a GPT with
 1.2 MB of state per device, a window of 160 kB holds at most 203 kB, and XLA issues the moves back to back
-with a sixth of their bytes overlapping compute (a higher limit overlaps more, 53% at 32, but lets the moves
-back out lag and holds 470 kB). XLA:TPU hoists every move-in of an argument to the top of the program
+with 3-15% of their bytes overlapping compute (windows of 50-400 kB; a limit of 32 overlaps 53% but lets the
+moves back out lag: 470 kB held). XLA:TPU hoists every move-in of an argument to the top of the program
 whatever the barriers say, so there the whole state is in device memory during the update. A transform that updates the whole tree at once needs every state in
 device memory together: there the window cannot apply, and every state is moved in before the update.
 """
