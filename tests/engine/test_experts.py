@@ -144,3 +144,22 @@ def test_estimator_names_stacks_gathered_whole_and_counts_split_ones():
     assert "experts: blocks/0/w_in" in format_report(flat)
     assert split[0].experts_whole == ()
     assert split[0].device_bytes < flat[0].device_bytes
+
+
+def test_a_stack_that_does_not_divide_is_gathered_whole_with_a_warning():
+    """4 experts over the 8 shards of a (fsdp=2, expert=4) mesh cannot be split expert-major: the stack is an
+    ordinary parameter, gathered whole, and the partition says so (and the estimator counts what it costs)."""
+    import warnings
+
+    from zinf_jax.plan.partition import experts_gathered_whole, plan_partition
+
+    params = {"blocks/0/w_in": jax.ShapeDtypeStruct((4, 32, 64), np.float32)}  # 4 experts of 32 x 64
+    hints = {"blocks/0/w_in": ("expert", None, None)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lays = plan_partition(params, mesh(), 16, hints)
+    lay = lays["blocks/0/w_in"]
+    assert lay.gathered_spec == P() and lay.spec != P(("expert", "fsdp"))
+    assert any("does not divide by the 8 shards" in str(w.message) and "blocks/0/w_in" in str(w.message)
+               for w in caught), [str(w.message) for w in caught]
+    assert experts_gathered_whole(lays, hints) and "all 4 experts" in experts_gathered_whole(lays, hints)[0]
