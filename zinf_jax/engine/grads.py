@@ -35,7 +35,7 @@ def host_copy(x: jax.Array) -> np.ndarray:
     Elsewhere ``np.asarray`` is that device-to-host copy; on the CPU backend it is a view of the device
     buffer, which the copy here releases (the sink keeps what it is handed: :meth:`GradSink.add_local`).
     """
-    if next(iter(x.devices())).platform == "cpu":
+    if isinstance(x, np.ndarray) or next(iter(x.devices())).platform == "cpu":  # (a row of one read as numpy)
         return np.array(x, dtype=np.float32, copy=True)
     return np.asarray(x, dtype=np.float32)
 
@@ -70,13 +70,11 @@ class GradSink:
             return self.target
         return self.get if self.arena is None else self.arena  # (the arena holds every trained shard)
 
-    def _into(self, path: str, index: int, shard: jax.Array) -> None:
-        """One local shard of a device gradient: into the arena's slot (one copy), else as :meth:`add_local`."""
-        if self.arena is not None and (path, index) in self.arena:
-            with self._lock:
-                self.arena.put(path, index, np.asarray(shard))
-            return
-        self.add_local(path, index, host_copy(shard))
+    def _into(self, path: str, index: int, shard: Any) -> None:
+        """One local shard of a device gradient to :meth:`add_local`: as it reads on the host for a shard the arena
+        copies into its slot (one copy), else a host array of its own (:func:`host_copy`)."""
+        arena = self.arena is not None and (path, index) in self.arena
+        self.add_local(path, index, np.asarray(shard) if arena else host_copy(shard))
 
     def add(self, path: str, grad: jax.Array) -> None:
         """Adds a stored-form, sharded float32 gradient of ``path``."""
@@ -111,13 +109,9 @@ class GradSink:
         for s in shards.values():
             s.copy_to_host_async()
         for idx, s in shards.items():
-            host = np.asarray(s) if self.arena is not None else host_copy(s)  # (the arena copies each row)
+            host = np.asarray(s)
             for k, path in enumerate(paths):
-                if self.arena is not None and (path, idx) in self.arena:
-                    with self._lock:
-                        self.arena.put(path, idx, host[k])
-                else:
-                    self.add_local(path, idx, np.array(host[k], np.float32) if self.arena is not None else host[k])
+                self._into(path, idx, host[k])
 
     def add_rows(self, path: str, pieces: Sequence[tuple[int, jax.Array]]) -> None:
         """Adds a stacked parameter's gradient that arrives in pieces along its leading (layer) axis, each
